@@ -1,0 +1,71 @@
+"""User-facing configuration: frozen dataclasses, no torch import.
+
+``None`` means "resolve at start-up" (from the model, the device or the KV capacity). Resolved
+values never go back into these objects: they live in :class:`service.resolved.ResolvedConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from service.buckets import PREFILL_BACKENDS, PlanError, PrefillBackend
+
+LoadFormat = Literal["auto", "random"]
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+DEFAULT_CONTEXT_LENGTH_CAP = 4096  # used when the model allows more and the user sets nothing
+DEFAULT_CHUNKED_PREFILL_CPU = 2048
+DEFAULT_CHUNKED_PREFILL_CUDA = 8192
+DEFAULT_MAX_RUNNING_REQUESTS_CAP = 64
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """How prefill graphs are captured."""
+
+    backend: PrefillBackend = "breakable"
+    buckets: tuple[int, ...] | None = None  # None: service.buckets.default_prefill_buckets
+    full_request_slots: int | None = None  # None: DEFAULT_FULL_REQUEST_SLOTS, capped by the pool
+    max_padding_fraction: float = 1.0  # a hit may pad at most this share of its bucket
+
+    def __post_init__(self) -> None:
+        if self.backend not in PREFILL_BACKENDS:
+            raise PlanError(
+                f"unsupported prefill backend {self.backend!r}; supported: {list(PREFILL_BACKENDS)}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (all of its ranks) needs to start."""
+
+    model_path: str | None = None  # None: the built-in model
+    load_format: LoadFormat = "auto"
+    dtype: DType = "auto"
+    device: Device = "auto"
+    tp: int = 1
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    kv_cache_memory_bytes: int | None = None  # None: a share of free device memory (CPU: 512 MiB)
+    graph: GraphConfig = GraphConfig()
+    seed: int = 0
+    ray_address: str | None = None  # None: start Ray locally
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tp",
+            "context_length",
+            "max_running_requests",
+            "chunked_prefill_size",
+            "kv_cache_memory_bytes",
+        ):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if self.collective_timeout_s <= 0:
+            raise PlanError("collective_timeout_s must be positive")
