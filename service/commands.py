@@ -1,0 +1,93 @@
+"""The typed messages between the coordinator and the ranks (pure, picklable, no tensors).
+
+The coordinator decides everything that must be identical across ranks (request rows, KV
+slots, the graph decision) and sends one command; every rank executes it in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from service.buckets import ReplayDecision
+from service.sampling import SamplingParams
+
+GraphKind = Literal["cuda", "cpu"]
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """What one prefill batch did: replayed a bucket (and on what) or ran eagerly, and why."""
+
+    num_tokens: int
+    num_requests: int
+    graph_hit: bool
+    bucket: int | None
+    padded_tokens: int
+    graph_kind: GraphKind | None  # "cuda": a real CUDA graph; "cpu": static-buffer replay on CPU
+    miss_reason: str | None
+
+    @staticmethod
+    def from_decision(
+        decision: ReplayDecision, num_tokens: int, num_requests: int, kind: GraphKind
+    ) -> GraphRecord:
+        return GraphRecord(
+            num_tokens=num_tokens,
+            num_requests=num_requests,
+            graph_hit=decision.hit,
+            bucket=decision.bucket,
+            padded_tokens=decision.padded_tokens,
+            graph_kind=kind if decision.hit else None,
+            miss_reason=decision.miss_reason,
+        )
+
+    @property
+    def cuda_graph(self) -> bool:
+        return self.graph_hit and self.graph_kind == "cuda"
+
+    def summary(self) -> str:
+        if self.graph_hit:
+            return f"hit (bucket {self.bucket}, {self.graph_kind})"
+        return f"miss ({self.miss_reason})"
+
+    def to_json(self) -> dict:
+        return {
+            "num_tokens": self.num_tokens,
+            "num_requests": self.num_requests,
+            "graph_hit": self.graph_hit,
+            "bucket": self.bucket,
+            "padded_tokens": self.padded_tokens,
+            "graph_kind": self.graph_kind,
+            "miss_reason": self.miss_reason,
+        }
+
+
+@dataclass(frozen=True)
+class RowWrite:
+    """req_to_token[row, start : start + len(slots)] = slots"""
+
+    row: int
+    start: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ForwardCommand:
+    is_prefill: bool
+    req_pool_indices: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    extend_lens: tuple[int, ...]
+    input_ids: tuple[int, ...]
+    out_cache_loc: tuple[int, ...]
+    row_writes: tuple[RowWrite, ...]
+    sampling: tuple[SamplingParams, ...]
+    steps: tuple[int, ...]  # tokens generated so far per request (seeds sampling)
+    decision: ReplayDecision | None  # the graph decision for a prefill, made by the coordinator
+    return_logits: bool = False
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    next_token_ids: tuple[int, ...]
+    record: GraphRecord | None  # prefill only
+    logits: object | None = None  # (B, V) float32 CPU tensor when asked for

@@ -1,0 +1,61 @@
+"""Rotary position embeddings (RoFormer, arXiv:2104.09864) in the Llama "rotate half" layout.
+
+Supports the checkpoint's ``rope_theta`` and the ``linear`` and ``llama3`` rope scalings. The
+cos/sin table is built once in float32; a forward only indexes it with device positions, which
+keeps rotary graph-safe (no host values).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from service.model.arch_config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling.rope_type == "linear":
+        inv = inv / scaling.factor
+    elif scaling.rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, blended, scaled)
+    return inv.float()
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
+        super().__init__()
+        inv = inverse_frequencies(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # (P, D/2)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.head_dim = head_dim
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions (T,), q (T, Hq, D), k (T, Hkv, D)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # (T, 1, D/2)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

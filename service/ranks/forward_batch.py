@@ -1,0 +1,104 @@
+"""One forward pass worth of batch layout: the token axis and the request axis.
+
+Prefill (extend) batches carry each request's cached prefix length and its new tokens, so
+chunked prefill is an extend on top of an existing prefix; decode is an extend of one token per
+request. Host copies of the per-request lengths are kept beside the device tensors because eager
+attention and the scheduler need them without a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Per-request lengths on the host: the part of a batch that is identical on every rank."""
+
+    mode: ForwardMode
+    req_pool_indices: tuple[int, ...]
+    prefix_lens: tuple[int, ...]  # tokens already in the KV cache
+    extend_lens: tuple[int, ...]  # new tokens this pass
+
+    def __post_init__(self) -> None:
+        n = len(self.req_pool_indices)
+        if not (len(self.prefix_lens) == len(self.extend_lens) == n):
+            raise ValueError("req_pool_indices, prefix_lens and extend_lens differ in length")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_pool_indices)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(p + e for p, e in zip(self.prefix_lens, self.extend_lens, strict=True))
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors of a batch. Token axis T (maybe padded), request axis B (maybe with slots).
+
+    Padding invariant: padded tokens (index >= layout.num_tokens) have ``out_cache_loc == 0``,
+    the reserved KV slot, so their K/V writes never touch a live request's entries.
+    """
+
+    layout: BatchLayout
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    out_cache_loc: torch.Tensor  # (T,) int64, KV slot each token writes
+    req_pool_indices: torch.Tensor  # (B,) int64
+    prefix_lens: torch.Tensor  # (B,) int64
+    extend_lens: torch.Tensor  # (B,) int64
+    extend_start_loc: torch.Tensor  # (B,) int64, first token of each request on the token axis
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.num_tokens
+
+    @staticmethod
+    def build(
+        layout: BatchLayout,
+        input_ids: list[int],
+        out_cache_loc: list[int],
+        device: torch.device,
+    ) -> ForwardBatch:
+        if len(input_ids) != layout.num_tokens or len(out_cache_loc) != layout.num_tokens:
+            raise ValueError(
+                f"batch has {layout.num_tokens} new tokens but {len(input_ids)} ids and "
+                f"{len(out_cache_loc)} cache slots"
+            )
+        positions: list[int] = []
+        starts: list[int] = []
+        for p, e in zip(layout.prefix_lens, layout.extend_lens, strict=True):
+            starts.append(len(positions))
+            positions.extend(range(p, p + e))
+
+        def t(values: list[int] | tuple[int, ...]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return ForwardBatch(
+            layout=layout,
+            input_ids=t(input_ids),
+            positions=t(positions),
+            out_cache_loc=t(out_cache_loc),
+            req_pool_indices=t(layout.req_pool_indices),
+            prefix_lens=t(layout.prefix_lens),
+            extend_lens=t(layout.extend_lens),
+            extend_start_loc=t(starts),
+        )
+
+    def last_token_indices(self) -> torch.Tensor:
+        """(B,) index of each request's last new token on the token axis."""
+        return self.extend_start_loc + self.extend_lens - 1

@@ -1,0 +1,100 @@
+"""KV memory like a serving engine: a request-to-token table and a token-to-KV pool.
+
+- ``ReqToTokenPool``: one row per request slot, ``context_length`` wide; row r, column j holds
+  the KV slot of token j of the request in slot r. A request can never exceed its row, which is
+  why capture must never build a synthetic request longer than ``context_length``.
+- ``TokenKVPool``: per layer K and V of shape (num_slots, kv_heads, head_dim). Slot 0 is reserved:
+  padded tokens write there, so padding never touches a live request's KV.
+
+The pool is sized from a memory budget; :func:`resolve_max_running_requests` derives the request
+pool size from that capacity when the user sets none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.memory import PADDING_SLOT  # noqa: F401 - re-exported for rank code
+
+
+class KVCapacityError(RuntimeError):
+    """The KV budget cannot hold what was asked; the message says which value to change."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def kv_slots_for_budget(layout: KVLayout, budget_bytes: int) -> int:
+    """Usable token slots (the reserved padding slot excluded) for a memory budget."""
+    return budget_bytes // layout.bytes_per_token - 1
+
+
+def resolve_max_running_requests(
+    user_value: int | None, num_kv_tokens: int, context_length: int, cap: int
+) -> int:
+    """The request-pool size: the user's, else as many full-context requests as the KV holds.
+
+    Derived values are capped at ``cap`` (request slots cost a ``context_length``-wide row each)
+    and are at least 1; a user value is kept as given.
+    """
+    if num_kv_tokens < context_length:
+        raise KVCapacityError(
+            f"the KV cache holds {num_kv_tokens} tokens, less than one request of context_length "
+            f"{context_length}; raise --kv-cache-memory-bytes or lower --context-length"
+        )
+    if user_value is not None:
+        return user_value
+    return max(1, min(cap, num_kv_tokens // context_length))
+
+
+class ReqToTokenPool:
+    """The table only; which rows are free is decided by the coordinator (service.memory)."""
+
+    def __init__(self, num_rows: int, context_length: int, device: torch.device) -> None:
+        self.context_length = context_length
+        self.table = torch.zeros(num_rows, context_length, dtype=torch.int64, device=device)
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.shape[0]
+
+    def write(self, row: int, start: int, slots: list[int]) -> None:
+        end = start + len(slots)
+        if end > self.context_length:
+            raise ValueError(
+                f"request row {row} would hold {end} tokens, more than context_length "
+                f"{self.context_length}"
+            )
+        self.table[row, start:end] = torch.tensor(slots, dtype=torch.int64)
+
+
+class TokenKVPool:
+    """K/V storage; slot allocation is decided by the coordinator (service.memory)."""
+
+    def __init__(self, layout: KVLayout, num_slots: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_slots = num_slots
+        shape = (num_slots + 1, layout.num_kv_heads, layout.head_dim)  # +1: the padding slot
+        self.k = [
+            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
+        ]
+
+    def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc (T,), k/v (T, Hkv, D). Padded tokens have loc == PADDING_SLOT.
+        self.k[layer].index_copy_(0, loc, k.to(self.layout.dtype))
+        self.v[layer].index_copy_(0, loc, v.to(self.layout.dtype))

@@ -1,0 +1,59 @@
+"""The prefill runner interface: capture the agreed buckets, say whether a batch can replay, run.
+
+Graph runners (full, breakable, tc_piecewise) and the eager runner implement it, so the rank
+worker never branches on the backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from service.buckets import BucketPlan, ReplayDecision
+from service.commands import GraphKind
+from service.ranks.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class CaptureStat:
+    """Per-bucket capture cost on one rank."""
+
+    num_tokens: int
+    seconds: float
+    memory_bytes: int  # device memory the bucket's graphs added (0 on CPU)
+
+    def to_json(self) -> dict:
+        return {
+            "num_tokens": self.num_tokens,
+            "seconds": round(self.seconds, 4),
+            "memory_bytes": self.memory_bytes,
+        }
+
+
+class CaptureFailed(RuntimeError):
+    """A bucket could not be captured on this rank (out of memory, a kernel error)."""
+
+
+class PrefillRunner(ABC):
+    """Runs one prefill batch. ``run`` returns final hidden states for the real tokens (N, H)."""
+
+    name: str = "base"
+
+    @property
+    @abstractmethod
+    def graph_kind(self) -> GraphKind | None:
+        """``cuda`` for real CUDA graphs, ``cpu`` for static-buffer replay on CPU, None eager."""
+
+    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureStat:
+        raise CaptureFailed(f"{self.name} runner captures nothing")
+
+    def captured_buckets(self) -> tuple[int, ...]:
+        return ()
+
+    def can_replay(self, decision: ReplayDecision) -> bool:
+        return decision.hit and decision.bucket in self.captured_buckets()
+
+    @abstractmethod
+    def run(self, batch: ForwardBatch, decision: ReplayDecision) -> torch.Tensor: ...

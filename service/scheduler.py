@@ -1,0 +1,268 @@
+"""Continuous batching: which requests prefill or decode next, with which rows and KV slots.
+
+Pure Python (no torch). Prefill batches take waiting requests in arrival order under the token
+budget (chunked prefill: a long prompt is split across batches, each chunk an extend on top of
+the cached prefix); running requests then decode together. Each prefill batch gets its graph
+decision here, once, from the agreed plan, and the same command goes to every rank.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from service.buckets import BucketPlan, decide_replay
+from service.commands import ForwardCommand, ForwardResult, GraphRecord, RowWrite
+from service.memory import RowAllocator, SlotAllocator
+from service.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request that can never run; the message says what to change."""
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    row: int | None = None
+    slots: list[int] = field(default_factory=list)  # KV slots of the tokens in the cache
+    num_prefilled: int = 0
+    finish_reason: dict | None = None
+    prefill_records: list[GraphRecord] = field(default_factory=list)
+    created_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    command: ForwardCommand
+    requests: tuple[Request, ...]
+    chunk_lens: tuple[int, ...]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        plan: BucketPlan,
+        context_length: int,
+        max_running_requests: int,
+        num_kv_slots: int,
+        chunked_prefill_size: int,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.context_length = context_length
+        self.chunked_prefill_size = chunked_prefill_size
+        self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
+        self.detokenize = detokenize
+        self.rows = RowAllocator(max_running_requests)
+        self.slots = SlotAllocator(num_kv_slots)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._counter = 0
+
+    # ---- admission ---------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        if len(prompt_ids) > self.context_length:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens, more than the context length "
+                f"{self.context_length}; shorten the prompt or raise --context-length"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def add(
+        self, prompt_ids: list[int], sampling: SamplingParams, rid: str | None = None
+    ) -> Request:
+        self.validate(prompt_ids)
+        if sampling.seed is None and not sampling.greedy:
+            sampling = replace(sampling, seed=random.getrandbits(31))
+        self._counter += 1
+        req = Request(
+            rid=rid or f"req-{self._counter}", prompt_ids=list(prompt_ids), sampling=sampling
+        )
+        self.waiting.append(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling --------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.chunked_prefill_size
+        reqs: list[Request] = []
+        chunks: list[int] = []
+        writes: list[RowWrite] = []
+        input_ids: list[int] = []
+        locs: list[int] = []
+        for req in self.waiting:
+            if budget == 0:
+                break
+            n = min(len(req.prompt_ids) - req.num_prefilled, budget)
+            new_row = req.row is None
+            if new_row:
+                req.row = self.rows.alloc()
+                if req.row is None:
+                    break
+            slots = self.slots.alloc(n)
+            if slots is None:
+                if new_row:
+                    self.rows.free(req.row)
+                    req.row = None
+                break
+            writes.append(RowWrite(req.row, req.num_cached, tuple(slots)))
+            input_ids += req.prompt_ids[req.num_prefilled : req.num_prefilled + n]
+            locs += slots
+            req.slots += slots
+            reqs.append(req)
+            chunks.append(n)
+            budget -= n
+        if not reqs:
+            return None
+        num_tokens = sum(chunks)
+        cmd = ForwardCommand(
+            is_prefill=True,
+            req_pool_indices=tuple(r.row for r in reqs),
+            prefix_lens=tuple(r.num_cached - n for r, n in zip(reqs, chunks, strict=True)),
+            extend_lens=tuple(chunks),
+            input_ids=tuple(input_ids),
+            out_cache_loc=tuple(locs),
+            row_writes=tuple(writes),
+            sampling=tuple(r.sampling for r in reqs),
+            steps=tuple(len(r.output_ids) for r in reqs),
+            decision=decide_replay(self.plan, num_tokens, len(reqs)),
+        )
+        return ScheduledBatch(cmd, tuple(reqs), tuple(chunks))
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        reqs: list[Request] = []
+        writes: list[RowWrite] = []
+        locs: list[int] = []
+        for req in list(self.running):
+            if req.num_cached >= self.context_length:
+                self._finish(req, {"type": "length", "length": len(req.output_ids)})
+                continue
+            slots = self.slots.alloc(1)
+            if slots is None:
+                self._finish(req, {"type": "abort", "message": "KV cache is full; lower the load"})
+                continue
+            writes.append(RowWrite(req.row, req.num_cached, tuple(slots)))
+            req.slots += slots
+            locs += slots
+            reqs.append(req)
+        if not reqs:
+            return None
+        cmd = ForwardCommand(
+            is_prefill=False,
+            req_pool_indices=tuple(r.row for r in reqs),
+            prefix_lens=tuple(r.num_cached - 1 for r in reqs),
+            extend_lens=(1,) * len(reqs),
+            input_ids=tuple(r.output_ids[-1] for r in reqs),
+            out_cache_loc=tuple(locs),
+            row_writes=tuple(writes),
+            sampling=tuple(r.sampling for r in reqs),
+            steps=tuple(len(r.output_ids) for r in reqs),
+            decision=None,
+        )
+        return ScheduledBatch(cmd, tuple(reqs), (1,) * len(reqs))
+
+    # ---- results -----------------------------------------------------------------------------
+    def process(self, batch: ScheduledBatch, result: ForwardResult) -> list[Request]:
+        """Apply a forward's sampled tokens; returns the requests that finished."""
+        done: list[Request] = []
+        now = time.perf_counter()
+        for req, n, token in zip(
+            batch.requests, batch.chunk_lens, result.next_token_ids, strict=True
+        ):
+            if req.finished:  # aborted while the batch ran
+                continue
+            if batch.command.is_prefill:
+                req.num_prefilled += n
+                if result.record is not None:
+                    req.prefill_records.append(result.record)
+                if req.num_prefilled < len(req.prompt_ids):
+                    continue  # more chunks to go; no token sampled from a partial prompt
+                self.waiting.remove(req)
+                self.running.append(req)
+            req.output_ids.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+        for req in list(self.running) + list(self.waiting):
+            if req.finished:
+                done.append(req)
+        self.running = [r for r in self.running if not r.finished]
+        self.waiting = deque(r for r in self.waiting if not r.finished)
+        return done
+
+    def _finish_reason(self, req: Request, token: int) -> dict | None:
+        p = req.sampling
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return {"type": "stop", "matched": token}
+        if token in p.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if p.stop and self.detokenize is not None:
+            text = self.detokenize(req.output_ids)
+            for s in p.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        if req.num_cached + 1 > self.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        if req.row is not None:
+            self.rows.free(req.row)
+            req.row = None
+        self.slots.free(req.slots)
+        req.slots = []
+
+    def abort(self, req: Request, message: str) -> None:
+        """End a request now (client gone, engine failure), freeing its row and KV slots."""
+        if req.finished:
+            return
+        req.error = message
+        self._finish(req, {"type": "abort", "message": message})
+        self.running = [r for r in self.running if r is not req]
+        self.waiting = deque(r for r in self.waiting if r is not req)
+
+    def abort_all(self, message: str) -> list[Request]:
+        reqs = list(self.waiting) + list(self.running)
+        for req in reqs:
+            self.abort(req, message)
+        return reqs
