@@ -163,6 +163,7 @@ class RankWorker:
 
         self.runner = make_runner(plan, self)
 
+    @torch.inference_mode()
     def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureStat | str:
         """Capture one bucket; a failure is returned as its reason (the coordinator drops it)."""
         try:

@@ -1,0 +1,52 @@
+"""Attention as an opaque torch custom op, so `torch.compile` splits the graph around it.
+
+The op receives tensors and the (layer id, variant) key; the backend and the live batch come
+from a context variable that the runner sets around each call. The variable is scoped to the
+call (``with attention_context(...)``), not global state: nothing outside the runner sees it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+from service.ranks.attention.base import AttentionBackend, AttentionKey
+from service.ranks.forward_batch import ForwardBatch
+
+OP_NAME = "capture_service::attention"
+_current: ContextVar[tuple[AttentionBackend, ForwardBatch] | None] = ContextVar(
+    "capture_service_attention", default=None
+)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str
+) -> torch.Tensor:
+    bound = _current.get()
+    if bound is None:
+        raise RuntimeError("capture_service::attention called outside attention_context")
+    backend, batch = bound
+    return backend.forward(q, k, v, AttentionKey(layer_id, variant), batch).clone()
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str):
+    return torch.empty_like(q)
+
+
+@contextmanager
+def attention_context(backend: AttentionBackend, batch: ForwardBatch) -> Iterator[None]:
+    token = _current.set((backend, batch))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def op_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
+    """The AttentionFn a compiled forward calls: the custom op."""
+    return torch.ops.capture_service.attention(q, k, v, key.layer_id, key.variant)

@@ -1,0 +1,39 @@
+"""`full`: the whole forward, attention included, as one captured graph per bucket.
+
+The request axis is fixed at S slots at capture and at replay; slots without a request are
+zero-length sentinels. Attention must be graph-safe (fixed shapes, lengths read from device
+tensors): the backend's ``graph_attention``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from service.ranks.forward_batch import ForwardBatch
+from service.ranks.runners.graph_base import GraphRunner
+from service.ranks.runners.graph_capture import CapturedCall
+
+
+class FullGraphRunner(GraphRunner):
+    name = "full"
+
+    @property
+    def num_slots(self) -> int:
+        return self.plan.capture_request_capacity
+
+    def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
+        if not self.graph_attention.graph_safe:
+            raise ValueError(f"attention backend {self.graph_attention.name} is not graph-safe")
+        batch = self.buffers.load_synthetic(capture_seq_lens, bucket, self.num_slots)
+        attend = self.graph_attention.bind(batch)
+
+        def forward() -> torch.Tensor:
+            return self.model(batch.input_ids, batch.positions, attend)
+
+        return CapturedCall(forward, self.device, self.pool, self.stream)
+
+    def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
+        self.buffers.copy_from(batch, bucket, self.num_slots)
+        return captured.replay()

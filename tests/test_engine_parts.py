@@ -1,0 +1,77 @@
+"""Sampling, request-pool resolution, the built-in model and the generate CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from service.ranks.kv_pool import KVCapacityError, resolve_max_running_requests
+from service.ranks.sampler import sample
+from service.sampling import SamplingError, SamplingParams
+
+
+def test_pool_resolution_from_kv_capacity():
+    assert resolve_max_running_requests(None, 65_535, 4096, 64) == 15
+    assert resolve_max_running_requests(None, 10**9, 2048, 64) == 64
+    assert resolve_max_running_requests(3, 65_535, 4096, 64) == 3
+    with pytest.raises(KVCapacityError, match="--kv-cache-memory-bytes"):
+        resolve_max_running_requests(None, 1000, 2048, 64)
+
+
+def test_sampling_is_seeded_and_respects_top_k_top_p():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]] * 2)
+    greedy = sample(logits, [SamplingParams(), SamplingParams(top_k=1, temperature=5.0)], [0, 0])
+    assert greedy == [4, 4]
+    p = SamplingParams(temperature=1.0, top_k=2, seed=7)
+    draws = {sample(logits[:1], [p], [s])[0] for s in range(200)}
+    assert draws == {3, 4}  # only the top 2 tokens, both seen
+    assert sample(logits[:1], [p], [5]) == sample(logits[:1], [p], [5])  # same seed, same token
+    top_p = SamplingParams(temperature=1.0, top_p=0.5, seed=1)
+    assert {sample(logits[:1], [top_p], [s])[0] for s in range(100)} == {4}
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"stop": ("",)}, "stop"),
+    ],
+)
+def test_invalid_sampling_names_the_field(kw, field):
+    with pytest.raises(SamplingError, match=f"sampling_params.{field}"):
+        SamplingParams(**kw)
+
+
+def test_random_load_format_runs_from_config_alone(tmp_path):
+    from service.config import EngineConfig, GraphConfig
+    from service.engine import Engine
+    from service.model.builtin import BUILTIN_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(BUILTIN_CONFIG))
+    e = Engine(EngineConfig(model_path=str(tmp_path), load_format="random", device="cpu",
+                            context_length=64, graph=GraphConfig(backend="eager")))  # fmt: skip
+    (out,) = e.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(out.output_ids) == 3 and out.text is None  # no tokenizer.json there
+
+
+def test_generate_cli_json_with_builtin_model_and_text():
+    out = subprocess.run(
+        [sys.executable, "-m", "service", "generate", "--prompt-ids", "104,105", "--prompt-ids",
+         "1,2,3", "--max-new-tokens", "3", "--context-length", "256", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    outputs = json.loads(out.stdout)["outputs"]
+    assert len(outputs) == 2
+    for o in outputs:
+        assert len(o["output_ids"]) <= 3 and isinstance(o["text"], str)
+        (rec,) = o["meta_info"]["prefill_batches"]
+        assert rec["graph_hit"] and rec["graph_kind"] == "cpu" and rec["num_requests"] == 2
+        assert o["meta_info"]["cuda_graph"] is False
