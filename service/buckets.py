@@ -318,13 +318,18 @@ def agree_plans(plans: Sequence[BucketPlan]) -> BucketPlan:
     for plan in plans[1:]:
         common &= set(plan.bucket_sizes)
     narrowest = min(plans, key=lambda p: p.capture_request_capacity)
-    dropped = {d.num_tokens: d for p in plans for d in p.dropped}
-    for plan in plans:
-        for size in plan.bucket_sizes:
-            if size not in common and size not in dropped:
-                dropped[size] = DroppedBucket(
-                    size, f"bucket {size} is not legal on every rank (agreed set excludes it)"
-                )
+    dropped: dict[int, DroppedBucket] = {}
+    for rank, plan in enumerate(plans):
+        for d in plan.dropped:
+            if d.num_tokens in dropped:
+                continue
+            everywhere = all(d.num_tokens not in p.bucket_sizes for p in plans)
+            reason = (
+                d.reason
+                if everywhere or len(plans) == 1
+                else (f"not legal on every rank (rank {rank}: {d.reason})")
+            )
+            dropped[d.num_tokens] = DroppedBucket(d.num_tokens, reason)
     kept = tuple(b for b in narrowest.buckets if b.num_tokens in common)
     disabled = first.disabled_reason if first.backend == "eager" else None
     if first.backend != "eager" and not kept:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from service.commands import ForwardResult
 from service.config import EngineConfig
 from service.coordinator import start_up
-from service.executor import Executor, LocalExecutor
+from service.executor import Executor, LocalExecutor, RankFailure
 from service.resolved import ResolvedConfig
 from service.sampling import SamplingParams
 from service.scheduler import Request, ScheduledBatch, Scheduler
@@ -59,6 +59,7 @@ class Engine:
             detokenize=self.tokenizer.decode if self.tokenizer else None,
         )
         self.lock = threading.RLock()
+        self.failure: str | None = None  # set once a rank fails; the engine must be rebuilt
         self.return_logits = False
         self.last_logits: list[tuple[ScheduledBatch, ForwardResult]] = []
         log.info(
@@ -89,7 +90,15 @@ class Engine:
                 batch = ScheduledBatch(
                     replace(batch.command, return_logits=True), batch.requests, batch.chunk_lens
                 )
-            result = self.executor.execute(batch.command)
+            if self.failure is not None:
+                raise RankFailure(self.failure)
+            try:
+                result = self.executor.execute(batch.command)
+            except RankFailure as exc:
+                self.failure = str(exc)
+                failed = self.scheduler.abort_all(f"engine failure: {exc}")
+                log.error("Aborted %d requests: %s", len(failed), exc)
+                raise
             if self.return_logits:
                 self.last_logits.append((batch, result))
             if result.record is not None:
@@ -130,6 +139,9 @@ class Engine:
         reqs = [self.add(p, s) for p, s in zip(prompts, params, strict=True)]
         while any(not r.finished for r in reqs):
             self.step()
+        errors = [r.error for r in reqs if r.error]
+        if errors:
+            raise RankFailure(errors[0])
         return [self.output_of(r) for r in reqs]
 
     def output_of(self, req: Request) -> GenerationOutput:
@@ -147,6 +159,15 @@ class Engine:
             text=text,
             meta_info=meta_info(req),
         )
+
+    def health(self) -> str | None:
+        """None when every rank is alive, else why not."""
+        if self.failure is not None:
+            return self.failure
+        reason = self.executor.alive()
+        if reason is not None:
+            self.failure = reason
+        return reason
 
     def shutdown(self) -> None:
         self.executor.shutdown()

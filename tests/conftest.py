@@ -22,3 +22,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the whole test session, on loopback, shut down at the end."""
+    import ray
+
+    from service.ray_executor import ensure_ray
+
+    ensure_ray(None)
+    yield ray
+    ray.shutdown()

@@ -52,6 +52,10 @@ class PrefillRunner(ABC):
     def captured_buckets(self) -> tuple[int, ...]:
         return ()
 
+    def forget(self, num_tokens: int) -> None:
+        """Drop a captured bucket (its capture failed on another rank); eager has none."""
+        return None
+
     def can_replay(self, decision: ReplayDecision) -> bool:
         return decision.hit and decision.bucket in self.captured_buckets()
 

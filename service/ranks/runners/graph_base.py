@@ -52,6 +52,9 @@ class GraphRunner(PrefillRunner):
     def captured_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self._captured))
 
+    def forget(self, num_tokens: int) -> None:
+        self._captured.pop(num_tokens, None)
+
     def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureStat:
         if num_tokens not in self.plan.bucket_sizes:
             raise CaptureFailed(f"bucket {num_tokens} is not in the agreed plan")

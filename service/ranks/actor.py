@@ -1,0 +1,132 @@
+"""The body of one rank's Ray actor: process-group set-up around a :class:`RankWorker`.
+
+Each actor joins two groups on a port chosen at start-up by rank 0: the tensor-parallel group
+(NCCL on CUDA, gloo on CPU) used inside the model, and a gloo CPU group used for control
+barriers, which have timeouts on both devices (``monitored_barrier``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from service.buckets import BucketPlan
+from service.commands import ForwardCommand, ForwardResult
+from service.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class RankFaults:
+    """Deliberate faults for tests of the coordinator (never set from the CLI)."""
+
+    max_running_requests: int | None = None  # a smaller request pool on this rank
+    fail_capture_buckets: tuple[int, ...] = field(default_factory=tuple)
+
+
+class CaptureFaultInjected(RuntimeError):
+    pass
+
+
+class RankActor:
+    def __init__(self, cfg: EngineConfig, rank: int, world_size: int, faults: RankFaults) -> None:
+        from service.logs import setup_logging
+
+        setup_logging(logging.INFO, rank=rank)
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.faults = faults
+        self.worker = None
+        self.control = None
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def free_address(self, local: bool) -> tuple[str, int]:
+        """This node's address and a free port for the process group's rendezvous.
+
+        A local Ray instance keeps all traffic on loopback.
+        """
+        import ray
+
+        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if local:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        return host, port
+
+    def init(self, host: str, port: int) -> object:
+        if host == "127.0.0.1":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        import torch
+        import torch.distributed as dist
+
+        from service.model.parallel import TPGroup
+        from service.ranks.worker import RankWorker
+
+        use_cuda = self.cfg.device != "cpu" and torch.cuda.is_available()
+        if not use_cuda:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        timeout = timedelta(seconds=self.cfg.collective_timeout_s)
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timeout,
+            device_id=torch.device("cuda", 0) if use_cuda else None,
+        )
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
+        self.worker = RankWorker(
+            self.cfg,
+            tp,
+            local_gpu=0,
+            max_running_requests_override=self.faults.max_running_requests,
+        )
+        return self.worker.info
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.monitored_barrier(
+            self.control, timeout=timedelta(seconds=self.cfg.collective_timeout_s)
+        )
+
+    # ---- start-up commands -------------------------------------------------------------------
+    def local_plan(self) -> BucketPlan:
+        return self.worker.resolve_local_plan()
+
+    def build_runner(self, plan: BucketPlan) -> str | None:
+        self.worker.build_runner(plan)
+        return self.worker.graph_kind
+
+    def capture_bucket(self, plan: BucketPlan, num_tokens: int):
+        self.barrier()  # every rank enters the capture together ...
+        result = self.worker.capture_bucket(plan, num_tokens)
+        if num_tokens in self.faults.fail_capture_buckets and not isinstance(result, str):
+            result = f"rank {self.rank}: CaptureFaultInjected: injected failure for {num_tokens}"
+        self.barrier()  # ... and leaves it together, so graphs' collectives line up
+        return result
+
+    def forget_bucket(self, num_tokens: int) -> None:
+        self.worker.runner.forget(num_tokens)
+
+    # ---- run time ----------------------------------------------------------------------------
+    def execute(self, cmd: ForwardCommand) -> ForwardResult:
+        return self.worker.execute(cmd)
+
+    def ping(self) -> int:
+        return self.rank
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

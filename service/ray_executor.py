@@ -1,0 +1,193 @@
+"""Ranks as Ray actors: one per tensor-parallel rank, placed with a placement group.
+
+Every call goes to every rank, in the same order, and is awaited with a timeout; a dead actor
+surfaces as :class:`RankFailure` within a poll interval, not after the full timeout. Results
+come back from rank 0 (all ranks sample the same tokens from the same gathered logits).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from service.buckets import BucketPlan
+from service.commands import ForwardCommand, ForwardResult
+from service.config import EngineConfig
+from service.executor import Executor, RankFailure
+from service.ranks.actor import RankActor, RankFaults
+
+log = logging.getLogger("service.ray")
+
+POLL_S = 0.2
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+PING_TIMEOUT_S = 5.0
+
+
+def ensure_ray(address: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address is None:  # a local instance on loopback only
+        ray.init(
+            include_dashboard=False,
+            log_to_driver=True,
+            logging_level=logging.WARNING,
+            _node_ip_address="127.0.0.1",
+        )
+    else:
+        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+
+
+class RayExecutor(Executor):
+    def __init__(self, cfg: EngineConfig, faults: dict[int, RankFaults] | None = None) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ensure_ray(cfg.ray_address)
+        self.cfg = cfg
+        self.world_size = cfg.tp
+        self.timeout = cfg.collective_timeout_s
+        self._dead: str | None = None
+        self._lock = threading.Lock()
+        gpus = ray.cluster_resources().get("GPU", 0)
+        use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and gpus >= 1)
+        if use_gpu and gpus < cfg.tp:
+            raise RankFailure(
+                f"--tp {cfg.tp} needs {cfg.tp} GPUs but the Ray cluster has {gpus:g}; lower --tp "
+                "or add GPU nodes"
+            )
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        self.pg = placement_group([dict(bundle) for _ in range(cfg.tp)], strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.pg)
+            raise RankFailure(
+                f"Ray could not place {cfg.tp} ranks of {bundle} within {self.timeout:.0f} s; "
+                f"cluster resources: {ray.cluster_resources()}"
+            ) from None
+        remote = ray.remote(RankActor)
+        faults = faults or {}
+        self.actors = [
+            remote.options(
+                num_cpus=1,
+                num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+                max_concurrency=2,  # ping answers while a forward runs
+            ).remote(cfg, rank, cfg.tp, faults.get(rank, RankFaults()))
+            for rank in range(cfg.tp)
+        ]
+        host, port = self._get_one(self.actors[0].free_address.remote(cfg.ray_address is None))
+        log.info("Ranks rendezvous at %s:%d (tp %d, %s)", host, port, cfg.tp, bundle)
+        self._infos = self._all(lambda a: a.init.remote(host, port))
+        self._graph_kind: str | None = None
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _get_one(self, ref: Any) -> Any:
+        return self._wait([ref])[0]
+
+    def _all(self, call) -> list:
+        return self._wait([call(a) for a in self.actors])
+
+    def _wait(self, refs: Sequence[Any]) -> list:
+        """All results, or RankFailure as soon as any rank fails or the deadline passes."""
+        import ray
+
+        if self._dead:
+            raise RankFailure(self._dead)
+        deadline = time.monotonic() + self.timeout
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as exc:
+                    self._mark_dead(self._diagnose(refs.index(ref), exc))
+                    raise RankFailure(self._dead) from exc
+            if pending and time.monotonic() > deadline:
+                self._mark_dead(f"ranks did not answer within {self.timeout:.0f} s")
+                raise RankFailure(self._dead)
+        return ray.get(list(refs))
+
+    def _diagnose(self, rank: int, exc: BaseException) -> str:
+        """Name the dead ranks first: a peer's collective error is only a symptom."""
+        import ray
+
+        refs = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
+        dead = []
+        for r, ref in enumerate(refs):
+            try:
+                if ref in ready:
+                    ray.get(ref)
+                else:
+                    dead.append(f"rank {r} does not answer")
+            except Exception as err:
+                dead.append(f"rank {r} died ({type(err).__name__})")
+        cause = getattr(exc, "cause", None) or exc
+        detail = ANSI.sub("", str(cause)).strip().splitlines()
+        what = f"rank {rank} failed: {type(cause).__name__}: {detail[-1] if detail else ''}"
+        return "; ".join([*dead, what])
+
+    def _mark_dead(self, reason: str) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = reason.splitlines()[0][:500]
+                log.error("Engine unhealthy: %s", self._dead)
+
+    # ---- Executor ----------------------------------------------------------------------------
+    def infos(self) -> list:
+        return self._infos
+
+    def local_plans(self) -> list[BucketPlan]:
+        return self._all(lambda a: a.local_plan.remote())
+
+    def build_runners(self, plan: BucketPlan) -> None:
+        kinds = self._all(lambda a: a.build_runner.remote(plan))
+        self._graph_kind = kinds[0]
+
+    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> list:
+        results = self._all(lambda a: a.capture_bucket.remote(plan, num_tokens))
+        if any(isinstance(r, str) for r in results):
+            self._all(lambda a: a.forget_bucket.remote(num_tokens))  # dropped on every rank
+        return results
+
+    def execute(self, cmd: ForwardCommand) -> ForwardResult:
+        return self._all(lambda a: a.execute.remote(cmd))[0]
+
+    def graph_kind(self) -> str | None:
+        return self._graph_kind
+
+    def alive(self) -> str | None:
+        import ray
+
+        if self._dead:
+            return self._dead
+        refs = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT_S)
+        for rank, ref in enumerate(refs):
+            if ref not in ready:
+                self._mark_dead(f"rank {rank} did not answer a ping within {PING_TIMEOUT_S:.0f} s")
+                break
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                self._mark_dead(f"rank {rank} is dead: {type(exc).__name__}")
+                break
+        return self._dead
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        ray.util.remove_placement_group(self.pg)
