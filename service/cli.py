@@ -145,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--api-key", default=None)
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /generate"
+    )
+    serve.add_argument("--max-queued-requests", type=positive_int, default=256)
+    serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)
     return parser
 
 

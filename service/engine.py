@@ -31,6 +31,13 @@ class GenerationOutput:
     meta_info: dict
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    batch: ScheduledBatch
+    result: ForwardResult
+    finished: list[Request]
+
+
 def make_executor(cfg: EngineConfig) -> Executor:
     if cfg.tp == 1 and cfg.ray_address is None:
         return LocalExecutor(cfg)
@@ -78,12 +85,12 @@ class Engine:
         )
 
     # ---- the loop ----------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished."""
+    def step(self) -> StepOutcome | None:
+        """Run one batch; None when there was nothing to run."""
         with self.lock:
             batch = self.scheduler.schedule()
             if batch is None:
-                return []
+                return None
             if self.return_logits:
                 from dataclasses import replace
 
@@ -111,7 +118,7 @@ class Engine:
                     len(self.scheduler.waiting) - len(batch.requests),
                     result.record.summary(),
                 )
-            return self.scheduler.process(batch, result)
+            return StepOutcome(batch, result, self.scheduler.process(batch, result))
 
     def add(self, prompt: list[int] | str, sampling: SamplingParams, rid: str | None = None):
         with self.lock:

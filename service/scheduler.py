@@ -117,15 +117,29 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         return self._schedule_prefill() or self._schedule_decode()
 
+    def _limits(self) -> tuple[int, int]:
+        """Token budget and request cap of one prefill batch.
+
+        Bucket-aware: with graphs on, a batch never grows past the largest captured bucket (a
+        long prompt is chunked to fit it instead) and, for ``full``, never past the S request
+        slots, so batches that could replay are not pushed into a miss by one more request.
+        """
+        budget, cap = self.chunked_prefill_size, self.rows.num_rows
+        if self.plan.enabled:
+            budget = min(budget, max(self.plan.bucket_sizes))
+            if self.plan.backend == "full":
+                cap = min(cap, self.plan.capture_request_capacity)
+        return budget, cap
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.chunked_prefill_size
+        budget, max_requests = self._limits()
         reqs: list[Request] = []
         chunks: list[int] = []
         writes: list[RowWrite] = []
         input_ids: list[int] = []
         locs: list[int] = []
         for req in self.waiting:
-            if budget == 0:
+            if budget == 0 or len(reqs) == max_requests:
                 break
             n = min(len(req.prompt_ids) - req.num_prefilled, budget)
             new_row = req.row is None
@@ -196,6 +210,10 @@ class Scheduler:
         return ScheduledBatch(cmd, tuple(reqs), (1,) * len(reqs))
 
     # ---- results -----------------------------------------------------------------------------
+    @property
+    def kv_usage(self) -> float:
+        return self.slots.num_used / max(1, self.slots.num_slots)
+
     def process(self, batch: ScheduledBatch, result: ForwardResult) -> list[Request]:
         """Apply a forward's sampled tokens; returns the requests that finished."""
         done: list[Request] = []

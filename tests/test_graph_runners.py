@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from service.buckets import MISS_TOO_MANY_REQUESTS
+from service.buckets import MISS_TOO_MANY_REQUESTS, decide_replay
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.memory import PADDING_SLOT
@@ -142,8 +142,13 @@ def test_full_sentinels_and_slot_limit(device):
     assert buf.extend_lens.tolist() == [3, 2, 0]
     assert buf.extend_start_loc.tolist()[2] == 5
     assert torch.isfinite(res.logits).all()
-    _, res = prefill_logits(e, [[1], [2], [3], [4]])
-    assert not res.record.graph_hit and res.record.miss_reason == MISS_TOO_MANY_REQUESTS
+    # more requests than slots: such a batch would miss, so the scheduler splits it (3 + 1)
+    assert decide_replay(plan, 4, 4).miss_reason == MISS_TOO_MANY_REQUESTS
+    e.last_logits.clear()
+    outs = e.generate([[1], [2], [3], [4]], SamplingParams(max_new_tokens=1))
+    prefills = [r.record for b, r in e.last_logits if b.command.is_prefill]
+    assert [(p.num_requests, p.graph_hit) for p in prefills] == [(3, True), (1, True)]
+    assert all(len(o.output_ids) == 1 for o in outs)
 
 
 def test_no_legal_bucket_falls_back_to_eager(caplog):

@@ -1,0 +1,112 @@
+"""Prometheus metrics of the service (own registry; Prometheus naming, no colons).
+
+Graph hit ratio, one PromQL expression (also in the README):
+
+    sum(rate(capture_service_prefill_batches_total{result="hit"}[5m]))
+      / sum(rate(capture_service_prefill_batches_total[5m]))
+
+Every (result, reason) series is created at start-up with value 0, so rates exist from the first
+scrape and the ratio is exact over any window.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from service.buckets import MISS_REASONS
+from service.commands import GraphRecord
+from service.resolved import ResolvedConfig
+
+PREFIX = "capture_service"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.prefill_batches = Counter(
+            f"{PREFIX}_prefill_batches", "Prefill batches by graph result and miss reason",
+            ["result", "reason"], registry=r,
+        )  # fmt: skip
+        self.padded_tokens = Counter(
+            f"{PREFIX}_prefill_padded_tokens", "Padding tokens added by graph replays", registry=r
+        )
+        self.prefill_tokens = Counter(
+            f"{PREFIX}_prefill_tokens", "Real tokens in prefill batches", registry=r
+        )
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens", registry=r)
+        self.generated_tokens = Counter(
+            f"{PREFIX}_generated_tokens", "Generated tokens", registry=r
+        )
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Finished requests by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.capture_seconds = Gauge(
+            f"{PREFIX}_capture_seconds", "Capture time per bucket and rank", ["bucket", "rank"],
+            registry=r,
+        )  # fmt: skip
+        self.capture_bytes = Gauge(
+            f"{PREFIX}_capture_bytes", "Device memory a bucket's capture added, per rank",
+            ["bucket", "rank"], registry=r,
+        )  # fmt: skip
+        self.agreed_buckets = Gauge(
+            f"{PREFIX}_agreed_buckets", "Prefill buckets captured on every rank", registry=r
+        )
+        self.graphs_enabled = Gauge(
+            f"{PREFIX}_prefill_graphs_enabled", "1 when prefill graphs run, 0 on eager fallback",
+            registry=r,
+        )  # fmt: skip
+        self.running = Gauge(f"{PREFIX}_running_requests", "Requests decoding", registry=r)
+        self.queued = Gauge(f"{PREFIX}_queued_requests", "Requests waiting", registry=r)
+        self.kv_usage = Gauge(f"{PREFIX}_kv_usage_ratio", "Used share of KV slots", registry=r)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Time to first token", registry=r,
+            buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_latency_seconds", "End-to-end request latency", registry=r,
+            buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.batch_tokens = Histogram(
+            f"{PREFIX}_prefill_batch_tokens", "Tokens per prefill batch", registry=r,
+            buckets=TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.prefill_batches.labels("hit", "none")
+        for reason in MISS_REASONS:
+            self.prefill_batches.labels("miss", reason)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+
+    def set_resolved(self, resolved: ResolvedConfig) -> None:
+        self.agreed_buckets.set(len(resolved.plan.buckets))
+        self.graphs_enabled.set(1 if resolved.plan.enabled else 0)
+        for cap in resolved.captures:
+            for stat in cap.stats:
+                labels = (str(stat["num_tokens"]), str(cap.rank))
+                self.capture_seconds.labels(*labels).set(stat["seconds"])
+                self.capture_bytes.labels(*labels).set(stat["memory_bytes"])
+
+    def observe_prefill(self, record: GraphRecord) -> None:
+        if record.graph_hit:
+            self.prefill_batches.labels("hit", "none").inc()
+            self.padded_tokens.inc(record.padded_tokens)
+        else:
+            self.prefill_batches.labels("miss", record.miss_reason or "unknown").inc()
+        self.prefill_tokens.inc(record.num_tokens)
+        self.batch_tokens.observe(record.num_tokens)
+
+    def observe_finished(self, meta: dict, ttft: float | None) -> None:
+        self.requests.labels(meta["finish_reason"]["type"]).inc()
+        self.prompt_tokens.inc(meta["prompt_tokens"])
+        self.generated_tokens.inc(meta["completion_tokens"])
+        self.e2e.observe(meta["e2e_latency"])
+        if ttft is not None:
+            self.ttft.observe(ttft)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,211 @@
+"""The engine's loop thread and the bridge to asyncio handlers.
+
+One thread owns the engine: it builds it (load, agree, capture: /health says 503 meanwhile),
+then runs scheduler steps. Handlers never touch the scheduler; they post submissions and aborts
+to an inbox and receive events on an asyncio queue per request, delivered thread-safely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from service.api.metrics import Metrics
+from service.engine import Engine, GenerationOutput
+from service.executor import RankFailure
+from service.sampling import SamplingParams
+
+log = logging.getLogger("service.runtime")
+
+IDLE_WAIT_S = 0.05
+HEALTH_CHECK_EVERY_S = 1.0
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class NotReady(RuntimeError):
+    pass
+
+
+@dataclass
+class Handle:
+    """One request's channel back to its HTTP handler."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request: object | None = None  # the scheduler's Request, set by the loop thread
+    sent: int = 0  # output tokens already streamed
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+    def push(self, kind: str, payload: object) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+class EngineRuntime:
+    def __init__(
+        self, build: Callable[[], Engine], metrics: Metrics, max_queued_requests: int = 256
+    ) -> None:
+        self._build = build
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.engine: Engine | None = None
+        self.state = "starting"  # starting -> ready | failed
+        self.error: str | None = None
+        self._inbox: queue.Queue = queue.Queue()
+        self._handles: dict[str, Handle] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+        self._counter = 0
+        self._lock = threading.Lock()
+        self._last_health = 0.0
+
+    # ---- called from handlers ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def health(self) -> str | None:
+        if self.state == "starting":
+            return "starting: loading the model and capturing prefill graphs"
+        if self.state == "failed":
+            return f"failed: {self.error}"
+        return self.engine.failure if self.engine else "no engine"
+
+    def ready_engine(self) -> Engine:
+        if self.state != "ready" or self.engine is None:
+            raise NotReady(self.health() or "not ready")
+        if self.engine.failure:
+            raise NotReady(f"unhealthy: {self.engine.failure}")
+        return self.engine
+
+    def submit(
+        self, prompt_ids: list[int], sampling: SamplingParams, loop: asyncio.AbstractEventLoop
+    ) -> Handle:
+        engine = self.ready_engine()
+        engine.scheduler.validate(prompt_ids)  # pure read of start-up constants
+        with self._lock:
+            limit = engine.resolved.max_running_requests + self.max_queued_requests
+            if len(self._handles) >= limit:
+                raise QueueFull(
+                    f"{len(self._handles)} requests are running or queued (limit {limit}); "
+                    "retry later"
+                )
+            self._counter += 1
+            handle = Handle(f"req-{self._counter}", prompt_ids, sampling, loop)
+            self._handles[handle.rid] = handle
+        self._inbox.put(("submit", handle))
+        return handle
+
+    def abort(self, rid: str, reason: str) -> None:
+        self._inbox.put(("abort", (rid, reason)))
+
+    # ---- the loop thread ---------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.engine = self._build()
+            self.metrics.set_resolved(self.engine.resolved)
+            self.state = "ready"
+            log.info("Service ready")
+        except Exception as exc:
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("Engine start-up failed")
+            return
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.scheduler.has_work)
+            self._check_health()
+            if self.engine.failure:
+                self._fail_all(self.engine.failure)
+                continue
+            if not self.engine.scheduler.has_work:
+                continue
+            try:
+                outcome = self.engine.step()
+            except RankFailure as exc:
+                self._fail_all(str(exc))
+                continue
+            if outcome is not None:
+                self._deliver(outcome)
+            self._gauges()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "submit":
+                h: Handle = payload
+                h.request = self.engine.scheduler.add(h.prompt_ids, h.sampling, rid=h.rid)
+            elif kind == "abort":
+                rid, reason = payload
+                h = self._handles.pop(rid, None)
+                if h is not None and h.request is not None:
+                    self.engine.scheduler.abort(h.request, reason)
+                    log.info("Aborted %s: %s", rid, reason)
+                    self.metrics.observe_finished(self.engine.output_of(h.request).meta_info, None)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                self._gauges()
+                return
+
+    def _deliver(self, outcome) -> None:
+        engine = self.engine
+        if outcome.result.record is not None:
+            self.metrics.observe_prefill(outcome.result.record)
+        for req in outcome.batch.requests:
+            h = self._handles.get(req.rid)
+            if h is None or req.finished:
+                continue
+            if len(req.output_ids) > h.sent:
+                h.sent = len(req.output_ids)
+                h.push("delta", engine.output_of(req))
+        for req in outcome.finished:
+            h = self._handles.pop(req.rid, None)
+            out: GenerationOutput = engine.output_of(req)
+            ttft = (req.first_token_at - req.created_at) if req.first_token_at else None
+            self.metrics.observe_finished(out.meta_info, ttft)
+            if h is not None:
+                h.push("done", out)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            handles, self._handles = list(self._handles.values()), {}
+        for h in handles:
+            h.push("error", reason)
+        # new submissions are refused by ready_engine(); drop whatever raced in
+        while True:
+            try:
+                kind, payload = self._inbox.get(timeout=IDLE_WAIT_S)
+            except queue.Empty:
+                return
+            if kind == "submit":
+                payload.push("error", reason)
+
+    def _check_health(self) -> None:
+        now = time.monotonic()
+        if now - self._last_health >= HEALTH_CHECK_EVERY_S:
+            self._last_health = now
+            self.engine.health()
+
+    def _gauges(self) -> None:
+        s = self.engine.scheduler
+        self.metrics.running.set(len(s.running))
+        self.metrics.queued.set(len(s.waiting))
+        self.metrics.kv_usage.set(s.kv_usage)
