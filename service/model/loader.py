@@ -119,13 +119,14 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
 
 def init_random(model: CausalLM, seed: int) -> None:
     """Seeded random weights (normal, std 0.02; norms 1) in the parameters' own shapes."""
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
 
 
 def build_model(
@@ -140,7 +141,8 @@ def build_model(
     cfg: ArchConfig | None = None,
 ) -> CausalLM:
     cfg = cfg or load_arch_config(model_dir)
-    model = CausalLM(cfg, tp, max_positions)
+    with torch.device(device):  # parameters are created where they will live
+        model = CausalLM(cfg, tp, max_positions)
     if load_format == "random":
         init_random(model, seed)
     elif load_format == "auto":

@@ -21,7 +21,7 @@ from service.buckets import (
     resolve_plan,
 )
 from service.commands import ForwardCommand, ForwardResult, GraphRecord
-from service.config import DEFAULT_MAX_RUNNING_REQUESTS_CAP, EngineConfig
+from service.config import DEFAULT_MAX_RUNNING_REQUESTS_CAP, EngineConfig, GraphConfig
 from service.model.arch_config import load_arch_config
 from service.model.builtin import builtin_model_dir
 from service.model.loader import build_model
@@ -141,9 +141,9 @@ class RankWorker:
         )
 
     # ---- start-up: buckets -----------------------------------------------------------------
-    def resolve_local_plan(self) -> BucketPlan:
+    def resolve_local_plan(self, graph: GraphConfig | None = None) -> BucketPlan:
         """This rank's legal bucket set, from its own resolved request pool."""
-        g = self.cfg.graph
+        g = graph or self.cfg.graph
         return resolve_plan(
             backend=g.backend,
             context_length=self.context_length,

@@ -23,12 +23,15 @@ def causal_attend(
     if group > 1:  # grouped-query attention: each KV head serves `group` query heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    key_pos = torch.arange(k.shape[0], device=q.device)
-    query_pos = prefix_len + torch.arange(num_q, device=q.device)
-    mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (E, prefix+E)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )  # (Hq, E, D)
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if prefix_len == 0:  # plain causal: lets SDPA pick its flash kernel
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:  # queries sit after a cached prefix: bottom-right aligned causal mask
+        key_pos = torch.arange(k.shape[0], device=q.device)
+        query_pos = prefix_len + torch.arange(num_q, device=q.device)
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (E, prefix+E)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    # out: (Hq, E, D)
     return out.transpose(0, 1)
 
 
