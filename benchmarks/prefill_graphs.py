@@ -16,6 +16,7 @@ numbers are not reported anywhere.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -27,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.buckets import decide_replay, partition_bucket  # noqa: E402
-from service.config import EngineConfig, GraphConfig  # noqa: E402
-from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode  # noqa: E402
-from service.ranks.worker import RankWorker  # noqa: E402
+from service.buckets import decide_replay, partition_bucket
+from service.config import EngineConfig, GraphConfig
+from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+from service.ranks.worker import RankWorker
 
 QWEN25_15B = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -68,6 +69,23 @@ def timed(fn, device: torch.device, iters: int) -> float:
     return statistics.median(samples)
 
 
+def profile(title: str, fn) -> None:
+    """Top CUDA kernels of three calls (where the time goes)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(f"--- profile: {title} (3 calls)")
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
+    )
+
+
 def device_rates(device: torch.device) -> tuple[float, float]:
     """(bytes/s of a device-to-device copy, bf16 matmul FLOP/s), measured now."""
     if device.type != "cuda":
@@ -79,8 +97,6 @@ def device_rates(device: torch.device) -> tuple[float, float]:
     x = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     y = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     mm_ms = timed(lambda: x @ y, device, 10)
-    del a, b, x, y
-    torch.cuda.empty_cache()
     # a copy reads and writes every byte
     return 2 * (1 << 30) / (copy_ms / 1e3), 2 * n**3 / (mm_ms / 1e3)
 
@@ -119,6 +135,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="the built-in model (CPU smoke test)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", type=int, default=None, help="print kernels of this bucket")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp())
@@ -144,10 +161,16 @@ def main() -> int:
                 rates = device_rates(worker.device)
             plan = worker.resolve_local_plan(graph)
             worker.build_runner(plan)
+            gc.collect()  # the previous backend's graphs must be gone before measuring
+            if worker.device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
             t0 = time.perf_counter()
             mem0 = torch.cuda.memory_reserved() if worker.device.type == "cuda" else 0
             free0 = torch.cuda.mem_get_info()[0] if worker.device.type == "cuda" else 0
-            stats = [worker.capture_bucket(plan, b) for b in sorted(plan.bucket_sizes, reverse=True)]
+            stats = [
+                worker.capture_bucket(plan, b) for b in sorted(plan.bucket_sizes, reverse=True)
+            ]
             total_s = time.perf_counter() - t0
             extra = (free0 - torch.cuda.mem_get_info()[0]) if worker.device.type == "cuda" else 0
             failed = [s for s in stats if isinstance(s, str)]
@@ -167,11 +190,11 @@ def main() -> int:
                 decision = decide_replay(plan, b, len(lens))
                 last = batch.last_token_indices()
 
-                def graph_step(batch=batch, decision=decision, last=last):
+                def graph_step(batch=batch, decision=decision, last=last, worker=worker):
                     hidden = worker.runner.run(batch, decision)
                     return worker.model.logits(hidden.index_select(0, last))
 
-                def eager_step(batch=batch, last=last):
+                def eager_step(batch=batch, decision=decision, last=last, worker=worker):
                     hidden = worker.eager_runner.run(batch, decision)
                     return worker.model.logits(hidden.index_select(0, last))
 
@@ -188,6 +211,11 @@ def main() -> int:
                     )
                     ref = eager_step()
                 row[f"{backend}_ms"] = timed(graph_step, worker.device, args.iters)
+                if b == args.profile:
+                    profile(f"{backend} bucket {b}", graph_step)
+                    if f"eager_profiled_{b}" not in row:
+                        row[f"eager_profiled_{b}"] = True
+                        profile(f"eager bucket {b}", eager_step)
                 out = graph_step()
                 row[f"{backend}_maxdiff"] = float((out - ref).abs().max())
                 row[f"{backend}_capture_s"] = round(stat.seconds, 3)
@@ -198,9 +226,11 @@ def main() -> int:
                 torch.cuda.empty_cache()
 
     backends = args.backends.split(",")
-    head = f"{'bucket':>6} {'reqs':>4} {'eager':>8} " + " ".join(
-        f"{b:>12} {'x':>5}" for b in backends
-    ) + f" {'floor':>7}"
+    head = (
+        f"{'bucket':>6} {'reqs':>4} {'eager':>8} "
+        + " ".join(f"{b:>12} {'x':>5}" for b in backends)
+        + f" {'floor':>7}"
+    )
     print(head)
     for b in sorted(rows):
         r = rows[b]
@@ -216,12 +246,15 @@ def main() -> int:
             f"{c['extra_device_bytes'] / 2**20:.0f} MiB extra device memory, failed {c['failed']}"
         )
     if rates and rates[0]:
-        print(f"measured: copy {rates[0] / 1e12:.2f} TB/s, bf16 matmul {rates[1] / 1e12:.0f} TFLOP/s")
+        print(
+            f"measured: copy {rates[0] / 1e12:.2f} TB/s, bf16 matmul {rates[1] / 1e12:.0f} TFLOP/s"
+        )
     if args.out:
         Path(args.out).write_text(
             json.dumps({"rows": [rows[b] for b in sorted(rows)], "captures": captures,
                         "copy_bytes_per_s": rates[0], "matmul_flops": rates[1],
-                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                        "device": torch.cuda.get_device_name() if worker.device.type == "cuda"
+                        else "cpu",
                         "torch": torch.__version__, "args": vars(args)}, indent=2)
         )  # fmt: skip
     return 0

@@ -18,21 +18,23 @@ def causal_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
 ) -> torch.Tensor:
     """q (E, Hq, D) at positions prefix..prefix+E-1 over k/v (prefix+E, Hkv, D) -> (E, Hq, D)."""
-    num_q, num_heads = q.shape[0], q.shape[1]
-    group = num_heads // k.shape[1]
-    if group > 1:  # grouped-query attention: each KV head serves `group` query heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    num_q = q.shape[0]
+    # SDPA's fused kernels need 4-D (batch, heads, seq, dim) inputs; 3-D falls back to the
+    # math kernel, which materialises the whole score matrix.
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, L, D)
+    gqa = q.shape[1] != k.shape[1]  # grouped-query attention: KV heads serve several q heads
     if prefix_len == 0:  # plain causal: lets SDPA pick its flash kernel
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     else:  # queries sit after a cached prefix: bottom-right aligned causal mask
         key_pos = torch.arange(k.shape[0], device=q.device)
         query_pos = prefix_len + torch.arange(num_q, device=q.device)
         mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (E, prefix+E)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    # out: (Hq, E, D)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    return out[0].transpose(0, 1)  # (E, Hq, D)
 
 
 class TorchVarlenAttention(AttentionBackend):
