@@ -3,8 +3,12 @@
 Every shape is fixed by the bucket (T tokens), the slot count S and ``context_length``; every
 length is read from device tensors. That is what the ``full`` backend needs: the same kernels
 replay for any live layout. Queries are gathered into (S, Qmax, H, D) with
-``Qmax = min(T, context_length)`` (no request has more new tokens), keys into (S, ctx, H, D) from
-each slot's request-to-token row, and outputs are scattered back to the token axis.
+``Qmax = min(T, context_length)`` (no request has more new tokens), keys into (S, ctx, Hkv, D)
+from each slot's request-to-token row, and outputs are scattered back to the token axis.
+
+The layout-only part (gather and scatter indices, the mask) is computed once per forward in
+:meth:`TorchSlotAttention.bind`, not once per layer; inside a captured graph it is part of the
+graph and recomputed from the static buffers at every replay.
 
 Zero-length sentinel slots and padded query rows are allowed key 0 so that no softmax row is
 empty (no NaN); their outputs go to a discarded row, so they never write a live token.
@@ -12,16 +16,52 @@ empty (no NaN); their outputs go to a discarded row, so they never write a live 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
-from service.ranks.attention.base import AttentionBackend, AttentionKey
+from service.ranks.attention.base import AttentionBackend, AttentionFn, AttentionKey
 from service.ranks.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    q_index: torch.Tensor  # (S, Qmax) token of each query row (clamped)
+    target: torch.Tensor  # (S*Qmax,) where each row's output goes; T for invalid rows
+    rows: torch.Tensor  # (S, ctx) KV slots of each slot's request
+    mask: torch.Tensor  # (S, 1, Qmax, ctx) True where a query may attend a key
 
 
 class TorchSlotAttention(AttentionBackend):
     name = "torch_slots"
     graph_safe = True
+
+    def layout(self, batch: ForwardBatch, num_tokens: int) -> SlotLayout:
+        ctx = self.req_to_token.context_length
+        q_max = min(num_tokens, ctx)
+        dev = batch.input_ids.device
+        q_off = torch.arange(q_max, device=dev)  # (Qmax,)
+        q_valid = q_off.unsqueeze(0) < batch.extend_lens.unsqueeze(1)  # (S, Qmax)
+        q_index = (batch.extend_start_loc.unsqueeze(1) + q_off).clamp_(max=num_tokens - 1)
+        k_pos = torch.arange(ctx, device=dev).view(1, 1, ctx)
+        q_pos = (batch.prefix_lens.unsqueeze(1) + q_off).unsqueeze(2)  # (S, Qmax, 1)
+        mask = (k_pos <= q_pos) | (~q_valid.unsqueeze(2) & (k_pos == 0))  # no empty rows
+        target = torch.where(q_valid, q_index, torch.full_like(q_index, num_tokens))
+        return SlotLayout(
+            q_index=q_index,
+            target=target.reshape(-1),
+            rows=self.req_to_token.table.index_select(0, batch.req_pool_indices),
+            mask=mask.unsqueeze(1),
+        )
+
+    def bind(self, batch: ForwardBatch) -> AttentionFn:
+        layout = self.layout(batch, batch.input_ids.shape[0])
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
+            return self._attend(q, k, v, key, batch, layout)
+
+        return attend
 
     def forward(
         self,
@@ -31,41 +71,32 @@ class TorchSlotAttention(AttentionBackend):
         key: AttentionKey,
         batch: ForwardBatch,
     ) -> torch.Tensor:
+        return self._attend(q, k, v, key, batch, self.layout(batch, q.shape[0]))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        batch: ForwardBatch,
+        layout: SlotLayout,
+    ) -> torch.Tensor:
         spec = self.registry.spec(key)
         q3, k3, v3 = self._split_heads(q, k, v, spec)
         self.kv.store(spec.kv_layer, batch.out_cache_loc, k3, v3)
         num_tokens, num_heads, head_dim = q3.shape
-        ctx = self.req_to_token.context_length
-        q_max = min(num_tokens, ctx)
-        dev = q.device
-
-        q_off = torch.arange(q_max, device=dev)  # (Qmax,)
-        q_valid = q_off.unsqueeze(0) < batch.extend_lens.unsqueeze(1)  # (S, Qmax)
-        q_index = (batch.extend_start_loc.unsqueeze(1) + q_off).clamp_(max=num_tokens - 1)
-        queries = q3[q_index]  # (S, Qmax, Hq, D)
-
-        rows = self.req_to_token.table.index_select(0, batch.req_pool_indices)  # (S, ctx)
-        keys = self.kv.k[spec.kv_layer][rows]  # (S, ctx, Hkv, D)
-        values = self.kv.v[spec.kv_layer][rows]
-        group = num_heads // spec.num_kv_heads
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=2)
-            values = values.repeat_interleave(group, dim=2)
-
-        k_pos = torch.arange(ctx, device=dev)  # (ctx,)
-        q_pos = batch.prefix_lens.unsqueeze(1) + q_off  # (S, Qmax)
-        mask = k_pos.view(1, 1, ctx) <= q_pos.unsqueeze(2)  # causal within the request
-        mask = mask | (~q_valid.unsqueeze(2) & (k_pos.view(1, 1, ctx) == 0))  # no empty rows
+        queries = q3[layout.q_index]  # (S, Qmax, Hq, D)
+        keys = self.kv.k[spec.kv_layer][layout.rows]  # (S, ctx, Hkv, D)
+        values = self.kv.v[spec.kv_layer][layout.rows]
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # (S, Hq, Qmax, D)
-            keys.transpose(1, 2),  # (S, Hq, ctx, D)
+            keys.transpose(1, 2),  # (S, Hkv, ctx, D)
             values.transpose(1, 2),
-            attn_mask=mask.unsqueeze(1),  # (S, 1, Qmax, ctx)
+            attn_mask=layout.mask,
             scale=spec.scale,
+            enable_gqa=num_heads != spec.num_kv_heads,
         ).transpose(1, 2)  # (S, Qmax, Hq, D)
-
-        # Scatter back; invalid rows land on a spare row T that is cut off.
-        target = torch.where(q_valid, q_index, torch.full_like(q_index, num_tokens))
-        flat = torch.zeros(num_tokens + 1, num_heads, head_dim, dtype=out.dtype, device=dev)
-        flat.index_copy_(0, target.reshape(-1), out.reshape(-1, num_heads, head_dim))
+        flat = torch.zeros(num_tokens + 1, num_heads, head_dim, dtype=out.dtype, device=q.device)
+        flat.index_copy_(0, layout.target, out.reshape(-1, num_heads, head_dim))
         return flat[:num_tokens].reshape(num_tokens, num_heads * head_dim)

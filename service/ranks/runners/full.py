@@ -27,10 +27,11 @@ class FullGraphRunner(GraphRunner):
         if not self.graph_attention.graph_safe:
             raise ValueError(f"attention backend {self.graph_attention.name} is not graph-safe")
         batch = self.buffers.load_synthetic(capture_seq_lens, bucket, self.num_slots)
-        attend = self.graph_attention.bind(batch)
 
         def forward() -> torch.Tensor:
-            return self.model(batch.input_ids, batch.positions, attend)
+            # bind() inside the captured function: the per-forward attention layout is part of
+            # the graph, recomputed from the static buffers at every replay
+            return self.model(batch.input_ids, batch.positions, self.graph_attention.bind(batch))
 
         return CapturedCall(forward, self.device, self.pool, self.stream)
 
