@@ -20,7 +20,19 @@ GREEDY4 = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 @pytest.mark.parametrize("backend", ["breakable", "tc_piecewise", "full"])
 def test_seed_scenario_end_to_end(backend, tmp_path):
-    server = ServerProcess(*SEED_ARGS, "--prefill-backend", backend, log_path=tmp_path / "log")
+    run_seed_scenario(backend, "cpu", tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["breakable", "tc_piecewise", "full"])
+def test_seed_scenario_on_cuda(backend, tmp_path):
+    run_seed_scenario(backend, "cuda", tmp_path)
+
+
+def run_seed_scenario(backend: str, device: str, tmp_path) -> None:
+    kind = "cuda" if device == "cuda" else "cpu"
+    server = ServerProcess(*SEED_ARGS, "--prefill-backend", backend, "--device", device,
+                           log_path=tmp_path / "log")  # fmt: skip
     try:
         hits_before = server.metric("capture_service_prefill_batches_total", result="hit",
                                     reason="none")  # fmt: skip
@@ -37,9 +49,9 @@ def test_seed_scenario_end_to_end(backend, tmp_path):
             (batch,) = m["prefill_batches"]
             assert batch["num_tokens"] == 2602 and batch["num_requests"] == 2
             assert batch["graph_hit"] is True and batch["bucket"] == 4096
-            assert batch["graph_kind"] == "cpu" and m["cuda_graph"] is False
+            assert batch["graph_kind"] == kind and m["cuda_graph"] is (kind == "cuda")
         assert "#new-seq: 2, #new-token: 2602" in server.log()
-        assert "graph: hit (bucket 4096, cpu)" in server.log()
+        assert f"graph: hit (bucket 4096, {kind})" in server.log()
         hits = server.metric("capture_service_prefill_batches_total", result="hit", reason="none")
         assert hits == hits_before + 1
         info = httpx.get(server.url + "/server_info", timeout=10).json()
