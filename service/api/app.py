@@ -93,7 +93,7 @@ def create_app(runtime: EngineRuntime, settings: ApiSettings) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate():
-        handle = _submit(runtime, [0], SamplingParams(max_new_tokens=1, temperature=0.0))
+        (handle,) = _submit(runtime, [[0]], [SamplingParams(max_new_tokens=1, temperature=0.0)])
         try:
             kind, payload = await asyncio.wait_for(
                 _final_event(handle), timeout=HEALTH_GENERATE_TIMEOUT_S
@@ -121,14 +121,7 @@ def create_app(runtime: EngineRuntime, settings: ApiSettings) -> FastAPI:
     async def generate(request: Request):
         body = await _parse_body(request)
         prompts, params, single = _normalize(runtime, body)
-        handles = []
-        try:
-            for ids, p in zip(prompts, params, strict=True):
-                handles.append(_submit(runtime, ids, p))
-        except ApiError:
-            for h in handles:
-                runtime.abort(h.rid, "a sibling prompt was refused")
-            raise
+        handles = _submit(runtime, prompts, params)
         if body.stream:
             return StreamingResponse(
                 _stream(runtime, handles, request, single), media_type="text/event-stream"
@@ -203,9 +196,9 @@ def _normalize(
     return prompts, params, single
 
 
-def _submit(runtime: EngineRuntime, ids: list[int], params: SamplingParams):
+def _submit(runtime: EngineRuntime, prompts: list[list[int]], params: list[SamplingParams]):
     try:
-        return runtime.submit(ids, params, asyncio.get_running_loop())
+        return runtime.submit(prompts, params, asyncio.get_running_loop())
     except QueueFull as exc:
         raise ApiError(503, str(exc), {"Retry-After": RETRY_AFTER_S}) from None
     except NotReady as exc:

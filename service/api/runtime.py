@@ -94,22 +94,33 @@ class EngineRuntime:
         return self.engine
 
     def submit(
-        self, prompt_ids: list[int], sampling: SamplingParams, loop: asyncio.AbstractEventLoop
-    ) -> Handle:
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        loop: asyncio.AbstractEventLoop,
+    ) -> list[Handle]:
+        """Queue the prompts of one HTTP request together, all or none.
+
+        They enter the scheduler in one inbox item, so the loop thread never starts a prefill
+        batch with only some of them (the seed's two prompts must prefill as one batch).
+        """
         engine = self.ready_engine()
-        engine.scheduler.validate(prompt_ids)  # pure read of start-up constants
+        for ids in prompts:
+            engine.scheduler.validate(ids)  # pure read of start-up constants
         with self._lock:
             limit = engine.resolved.max_running_requests + self.max_queued_requests
-            if len(self._handles) >= limit:
+            if len(self._handles) + len(prompts) > limit:
                 raise QueueFull(
                     f"{len(self._handles)} requests are running or queued (limit {limit}); "
                     "retry later"
                 )
-            self._counter += 1
-            handle = Handle(f"req-{self._counter}", prompt_ids, sampling, loop)
-            self._handles[handle.rid] = handle
-        self._inbox.put(("submit", handle))
-        return handle
+            handles = []
+            for ids, p in zip(prompts, params, strict=True):
+                self._counter += 1
+                handles.append(Handle(f"req-{self._counter}", ids, p, loop))
+            self._handles.update((h.rid, h) for h in handles)
+        self._inbox.put(("submit", handles))
+        return handles
 
     def abort(self, rid: str, reason: str) -> None:
         self._inbox.put(("abort", (rid, reason)))
@@ -150,8 +161,8 @@ class EngineRuntime:
         while True:
             kind, payload = item
             if kind == "submit":
-                h: Handle = payload
-                h.request = self.engine.scheduler.add(h.prompt_ids, h.sampling, rid=h.rid)
+                for h in payload:
+                    h.request = self.engine.scheduler.add(h.prompt_ids, h.sampling, rid=h.rid)
             elif kind == "abort":
                 rid, reason = payload
                 h = self._handles.pop(rid, None)
@@ -196,7 +207,8 @@ class EngineRuntime:
             except queue.Empty:
                 return
             if kind == "submit":
-                payload.push("error", reason)
+                for h in payload:
+                    h.push("error", reason)
 
     def _check_health(self) -> None:
         now = time.monotonic()
