@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -146,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /generate"
+        "--api-key",
+        default=os.environ.get("CAPTURE_SERVICE_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on /generate (default: $CAPTURE_SERVICE_API_KEY)",
     )
     serve.add_argument("--max-queued-requests", type=positive_int, default=256)
     serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)

@@ -1,0 +1,235 @@
+"""Deployment manifests: render with kustomize, schema-check, promtool, metric names.
+
+Built-in kinds (and every pod template inside the RayCluster) are validated offline against the
+Kubernetes OpenAPI schemas shipped by `kubernetes-validate`; the custom resources (KubeRay,
+Prometheus Operator, NVIDIA DRA) are checked field by field against their documented structure.
+Tools that are absent are skipped with the reason; `.ci/run` installs them so CI runs all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.server_proc import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ["h100", "gb200"]
+K8S_VERSION = "1.33.0"
+
+
+def kustomize_major() -> int:
+    """Major version of kubectl's built-in kustomize (0 when absent or too old to say)."""
+    if shutil.which("kubectl") is None:
+        return 0
+    out = subprocess.run(["kubectl", "version", "--client"], capture_output=True, text=True)
+    m = re.search(r"Kustomize Version: v(\d+)", out.stdout)
+    return int(m.group(1)) if m else 0
+
+
+needs_kubectl = pytest.mark.skipif(
+    kustomize_major() < 4,
+    reason="kubectl with kustomize >= v4 not installed (.ci/run installs kubectl)",
+)
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool not installed (Debian 'prometheus')"
+)
+
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+# ---- documented structure of the custom resources we use ------------------------------------
+# Each entry: the keys allowed at that level (from the CRDs' documentation), nested where we
+# descend. Pod templates are validated against the real Kubernetes schema instead.
+RAYCLUSTER_SPEC = {"rayVersion", "headGroupSpec", "workerGroupSpecs", "enableInTreeAutoscaling",
+                   "autoscalerOptions", "headServiceAnnotations", "suspend"}  # fmt: skip
+HEAD_GROUP = {"rayStartParams", "template", "serviceType", "headService", "enableIngress"}
+WORKER_GROUP = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams",
+                "template", "scaleStrategy", "numOfHosts", "suspend",
+                "idleTimeoutSeconds"}  # fmt: skip
+SERVICEMONITOR_SPEC = {"selector", "endpoints", "namespaceSelector", "jobLabel", "targetLabels"}
+ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings", "honorLabels"}
+RULE_GROUP = {"name", "rules", "interval"}
+RULE = {"record", "alert", "expr", "for", "labels", "annotations", "keep_firing_for"}
+COMPUTEDOMAIN_SPEC = {"numNodes", "channel"}
+
+
+def check_keys(obj: dict, allowed: set[str], where: str) -> None:
+    extra = set(obj) - allowed
+    assert not extra, f"{where}: fields {sorted(extra)} are not in the documented structure"
+
+
+def validate_builtin(obj: dict) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def pod_template(template: dict, name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+            "template": template}  # fmt: skip
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_validates(overlay):
+    docs = render(overlay)
+    kinds = sorted(d["kind"] for d in docs)
+    expected = ["PrometheusRule", "RayCluster", "Service", "ServiceMonitor"]
+    if overlay == "gb200":
+        expected = sorted([*expected, "ComputeDomain"])
+    assert kinds == expected
+    for svc in by_kind(docs, "Service"):
+        validate_builtin(svc)
+    (rc,) = by_kind(docs, "RayCluster")
+    assert rc["apiVersion"] == "ray.io/v1"
+    assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    spec = rc["spec"]
+    check_keys(spec, RAYCLUSTER_SPEC, "RayCluster.spec")
+    check_keys(spec["headGroupSpec"], HEAD_GROUP, "RayCluster.spec.headGroupSpec")
+    validate_builtin(pod_template(spec["headGroupSpec"]["template"], "head"))
+    for group in spec["workerGroupSpecs"]:
+        check_keys(group, WORKER_GROUP, "RayCluster.spec.workerGroupSpecs[]")
+        validate_builtin(pod_template(group["template"], group["groupName"]))
+    (smon,) = by_kind(docs, "ServiceMonitor")
+    assert smon["apiVersion"] == "monitoring.coreos.com/v1"
+    check_keys(smon["spec"], SERVICEMONITOR_SPEC, "ServiceMonitor.spec")
+    for ep in smon["spec"]["endpoints"]:
+        check_keys(ep, ENDPOINT, "ServiceMonitor.spec.endpoints[]")
+    (svc,) = by_kind(docs, "Service")
+    assert smon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert svc["spec"]["selector"]["ray.io/cluster"] == rc["metadata"]["name"]
+    (rule,) = by_kind(docs, "PrometheusRule")
+    for group in rule["spec"]["groups"]:
+        check_keys(group, RULE_GROUP, "PrometheusRule.spec.groups[]")
+        for r in group["rules"]:
+            check_keys(r, RULE, "PrometheusRule rule")
+    if overlay == "gb200":
+        (cd,) = by_kind(docs, "ComputeDomain")
+        assert cd["apiVersion"] == "resource.nvidia.com/v1beta1"
+        check_keys(cd["spec"], COMPUTEDOMAIN_SPEC, "ComputeDomain.spec")
+        claim_template = cd["spec"]["channel"]["resourceClaimTemplate"]["name"]
+        worker = spec["workerGroupSpecs"][0]["template"]["spec"]
+        assert worker["resourceClaims"][0]["resourceClaimTemplateName"] == claim_template
+        assert worker["containers"][0]["resources"]["claims"][0]["name"] == "imex-channel"
+
+
+@needs_kubectl
+@pytest.mark.parametrize(
+    ("overlay", "gpus", "arch", "tp", "replicas"),
+    [("h100", "8", "amd64", "8", 1), ("gb200", "4", "arm64", "8", 2)],
+)
+def test_overlay_node_shape(overlay, gpus, arch, tp, replicas):
+    (rc,) = by_kind(render(overlay), "RayCluster")
+    head = rc["spec"]["headGroupSpec"]["template"]["spec"]
+    worker_group = rc["spec"]["workerGroupSpecs"][0]
+    worker = worker_group["template"]["spec"]
+    container = head["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TP_SIZE"] == tp
+    assert int(tp) == int(gpus) * replicas  # the ranks fill the worker GPUs exactly
+    assert worker_group["replicas"] == replicas
+    res = worker["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == gpus == res["requests"]["nvidia.com/gpu"]
+    assert worker["nodeSelector"]["kubernetes.io/arch"] == arch
+    assert head["nodeSelector"]["kubernetes.io/arch"] == arch
+    # the serve command, the probes that allow capture, drain, shared memory, no secrets
+    args = " ".join(container["args"])
+    assert "capture-service serve" in args and "--ray-address auto" in args
+    assert "--tp $(TP_SIZE)" in args
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "livenessProbe" in container
+    assert container["lifecycle"]["preStop"]["exec"]["command"]
+    assert head["terminationGracePeriodSeconds"] >= 60
+    shm = [v for v in worker["volumes"] if v["name"] == "dshm"]
+    assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
+    key_env = [e for e in container["env"] if e["name"] == "CAPTURE_SERVICE_API_KEY"]
+    assert "secretKeyRef" in key_env[0]["valueFrom"] and "value" not in key_env[0]
+
+
+def test_no_secrets_in_manifests():
+    text = "\n".join(p.read_text() for p in (DEPLOY / "k8s").rglob("*.yaml"))
+    assert "kind: Secret" not in text
+    assert not re.search(r"(?i)(password|token|api[-_]?key)\s*:\s*\S+", text.replace(
+        "key: api-key", ""))  # fmt: skip
+
+
+def test_dockerfile_is_cuda_non_root_with_gpu_extra():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^FROM nvidia/cuda:", text, re.M)
+    assert '"/src[gpu]"' in text
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert 'ENTRYPOINT ["capture-service"]' in text
+
+
+def rule_exprs() -> list[str]:
+    rule = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())
+    return [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads((DEPLOY / "grafana" / "capture-service.json").read_text())
+    return [t["expr"] for p in dash["panels"] for t in p["targets"]]
+
+
+@needs_promtool
+def test_promtool_checks_rules_and_dashboard_queries(tmp_path):
+    rule = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    out = subprocess.run(["promtool", "check", "rules", str(rules_file)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    dash_rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:expr_{i}", "expr": e} for i, e in enumerate(dashboard_exprs())
+    ]}]}  # fmt: skip
+    dash_file = tmp_path / "dashboard.yml"
+    dash_file.write_text(yaml.safe_dump(dash_rules))
+    out = subprocess.run(["promtool", "check", "rules", str(dash_file)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_every_metric_used_is_exported(tmp_path):
+    used = set()
+    for expr in rule_exprs() + dashboard_exprs():
+        used |= set(re.findall(r"\bcapture_service_[a-z0-9_]+", expr))
+    assert len(used) >= 10
+    server = ServerProcess("--context-length", "256", "--prefill-buckets", "64",
+                           log_path=tmp_path / "log")  # fmt: skip
+    try:
+        import httpx
+
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        server.stop()
+    exported = {
+        line.split("{")[0].split(" ")[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    missing = sorted(used - exported)
+    assert not missing, f"rules/dashboard use metrics the service does not export: {missing}"
