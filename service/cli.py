@@ -107,7 +107,7 @@ def add_graph_arguments(p: argparse.ArgumentParser, *, for_plan: bool = False) -
     )
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "auto") -> None:
     add_graph_arguments(p)
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in)")
     p.add_argument("--load-format", choices=("auto", "random"), default="auto")
@@ -117,6 +117,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
+    p.add_argument(
+        "--executor",
+        choices=("auto", "ray", "local"),
+        default=default_executor,
+        help="ray: a Ray actor per rank; local: one rank in this process; auto: Ray for --tp > 1"
+        f" (default: {default_executor})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true")
 
     serve = sub.add_parser("serve", help="serve the HTTP API")
-    add_engine_arguments(serve)
+    add_engine_arguments(serve, default_executor="ray")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument(

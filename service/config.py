@@ -54,6 +54,9 @@ class EngineConfig:
     graph: GraphConfig = GraphConfig()
     seed: int = 0
     ray_address: str | None = None  # None: start Ray locally
+    # where ranks run: "ray" (an actor per rank), "local" (tp 1 in this process), or "auto"
+    # (Ray when tp > 1 or a cluster address is given)
+    executor: Literal["auto", "ray", "local"] = "auto"
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -67,5 +70,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if self.executor == "local" and (self.tp > 1 or self.ray_address):
+            raise PlanError(
+                "--executor local runs one rank in-process; use --executor ray for --tp > 1"
+            )
         if self.collective_timeout_s <= 0:
             raise PlanError("collective_timeout_s must be positive")

@@ -74,6 +74,7 @@ def start_up(cfg: EngineConfig, executor: Executor) -> ResolvedConfig:
         device=first.device,
         dtype=first.dtype,
         tp=len(infos),
+        executor=executor.kind,
         context_length=first.context_length,
         max_running_requests=min(i.max_running_requests for i in infos),
         num_kv_slots=min(i.num_kv_slots for i in infos),

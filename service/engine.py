@@ -39,7 +39,9 @@ class StepOutcome:
 
 
 def make_executor(cfg: EngineConfig) -> Executor:
-    if cfg.tp == 1 and cfg.ray_address is None:
+    if cfg.executor == "local" or (
+        cfg.executor == "auto" and cfg.tp == 1 and cfg.ray_address is None
+    ):
         return LocalExecutor(cfg)
     from service.ray_executor import RayExecutor
 

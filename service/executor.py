@@ -18,6 +18,7 @@ class RankFailure(RuntimeError):
 
 class Executor(ABC):
     world_size: int = 1
+    kind: str = "local"  # "local" (in this process) or "ray" (an actor per rank)
 
     @abstractmethod
     def infos(self) -> list: ...

@@ -30,6 +30,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         seed=args.seed,
         ray_address=args.ray_address,
+        executor=args.executor,
     )
 
 

@@ -27,11 +27,12 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PING_TIMEOUT_S = 5.0
 
 
-def ensure_ray(address: str | None) -> None:
+def ensure_ray(address: str | None) -> bool:
+    """Connect to Ray (local on loopback, or the given cluster); True if this call started it."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if address is None:  # a local instance on loopback only
         ray.init(
             include_dashboard=False,
@@ -41,15 +42,18 @@ def ensure_ray(address: str | None) -> None:
         )
     else:
         ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+    return True
 
 
 class RayExecutor(Executor):
+    kind = "ray"
+
     def __init__(self, cfg: EngineConfig, faults: dict[int, RankFaults] | None = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ensure_ray(cfg.ray_address)
+        self._owns_ray = ensure_ray(cfg.ray_address)
         self.cfg = cfg
         self.world_size = cfg.tp
         self.timeout = cfg.collective_timeout_s
@@ -191,3 +195,5 @@ class RayExecutor(Executor):
         for a in self.actors:
             ray.kill(a, no_restart=True)
         ray.util.remove_placement_group(self.pg)
+        if self._owns_ray:
+            ray.shutdown()

@@ -30,6 +30,7 @@ class ResolvedConfig:
     device: str
     dtype: str
     tp: int
+    executor: str  # "local" or "ray"
     context_length: int
     max_running_requests: int
     num_kv_slots: int
@@ -48,6 +49,7 @@ class ResolvedConfig:
             "device": self.device,
             "dtype": self.dtype,
             "tp": self.tp,
+            "executor": self.executor,
             "context_length": self.context_length,
             "max_running_requests": self.max_running_requests,
             "num_kv_slots": self.num_kv_slots,

@@ -19,7 +19,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, log_path: Path, startup_timeout: float = 240.0) -> None:
+    def __init__(
+        self,
+        *args: str,
+        log_path: Path,
+        executor: str | None = "local",
+        startup_timeout: float = 240.0,
+    ) -> None:
+        """``executor=None`` keeps serve's default (a Ray actor per rank)."""
+        if executor is not None:
+            args = (*args, "--executor", executor)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path

@@ -31,8 +31,10 @@ def test_seed_scenario_on_cuda(backend, tmp_path):
 
 def run_seed_scenario(backend: str, device: str, tmp_path) -> None:
     kind = "cuda" if device == "cuda" else "cpu"
+    # breakable on CPU runs serve's default: the rank in a local Ray actor
+    executor = None if (backend, device) == ("breakable", "cpu") else "local"
     server = ServerProcess(*SEED_ARGS, "--prefill-backend", backend, "--device", device,
-                           log_path=tmp_path / "log")  # fmt: skip
+                           log_path=tmp_path / "log", executor=executor)  # fmt: skip
     try:
         hits_before = server.metric("capture_service_prefill_batches_total", result="hit",
                                     reason="none")  # fmt: skip
@@ -56,6 +58,7 @@ def run_seed_scenario(backend: str, device: str, tmp_path) -> None:
         assert hits == hits_before + 1
         info = httpx.get(server.url + "/server_info", timeout=10).json()
         assert info["prefill_backend"] == backend
+        assert info["executor"] == ("ray" if executor is None else "local")
         assert info["buckets"][0]["num_tokens"] == 4096
         lens = [n for n in info["buckets"][0]["capture_seq_lens"] if n]
         assert lens == [2048, 2048]
@@ -196,7 +199,7 @@ def test_tp2_serving_matches_tp1(ray_local, tmp_path):
                               kv_cache_memory_bytes=16 << 20,
                               graph=GraphConfig(buckets=(64, 256)))).generate(
         prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))  # fmt: skip
-    server = ServerProcess(*args, "--tp", "2", log_path=tmp_path / "log")
+    server = ServerProcess(*args, "--tp", "2", log_path=tmp_path / "log", executor="ray")
     try:
         info = httpx.get(server.url + "/server_info", timeout=10).json()
         assert info["tp"] == 2 and len(info["capture"]) == 2
