@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 PrefillBackend = Literal["full", "breakable", "tc_piecewise", "eager"]
@@ -288,11 +288,10 @@ def resolve_plan(
 
     disabled_reason = None
     if not kept:
-        disabled_reason = (
-            f"no legal prefill bucket for backend {backend} with context_length {context_length} "
-            f"and capture request capacity {capacity} ({capacity_name}); "
-            f"requested {requested}; prefill runs eagerly"
-        )
+        disabled_reason = _disabled(
+            "no legal prefill bucket", backend, context_length, capacity,
+            f" ({capacity_name}); requested {requested}",
+        )  # fmt: skip
     return BucketPlan(
         buckets=tuple(kept), dropped=tuple(dropped), disabled_reason=disabled_reason, **common
     )
@@ -333,11 +332,10 @@ def agree_plans(plans: Sequence[BucketPlan]) -> BucketPlan:
     kept = tuple(b for b in narrowest.buckets if b.num_tokens in common)
     disabled = first.disabled_reason if first.backend == "eager" else None
     if first.backend != "eager" and not kept:
-        disabled = (
-            f"no prefill bucket is legal on every rank for backend {first.backend} with "
-            f"context_length {first.context_length} and capture request capacity "
-            f"{narrowest.capture_request_capacity}; prefill runs eagerly"
-        )
+        disabled = _disabled(
+            "no prefill bucket is legal on every rank", first.backend, first.context_length,
+            narrowest.capture_request_capacity,
+        )  # fmt: skip
     return BucketPlan(
         backend=first.backend,
         context_length=first.context_length,
@@ -361,20 +359,15 @@ def drop_buckets(plan: BucketPlan, failures: dict[int, str]) -> BucketPlan:
     )
     disabled = plan.disabled_reason
     if not kept and disabled is None:
-        disabled = (
-            f"every prefill bucket failed to capture for backend {plan.backend} with "
-            f"context_length {plan.context_length} and capture request capacity "
-            f"{plan.capture_request_capacity}; prefill runs eagerly"
-        )
-    return BucketPlan(
-        backend=plan.backend,
-        context_length=plan.context_length,
-        capture_request_capacity=plan.capture_request_capacity,
-        max_prefill_tokens=plan.max_prefill_tokens,
+        disabled = _disabled(
+            "every prefill bucket failed to capture", plan.backend, plan.context_length,
+            plan.capture_request_capacity,
+        )  # fmt: skip
+    return replace(
+        plan,
         buckets=kept,
         dropped=tuple(sorted(dropped, key=lambda d: d.num_tokens)),
         disabled_reason=disabled,
-        max_padding_fraction=plan.max_padding_fraction,
     )
 
 
@@ -436,6 +429,14 @@ def parse_bucket_values(values: Iterable[int | str] | str) -> list[int]:
     if not out:
         raise PlanError("the bucket list is empty; give token counts like 4096,8192")
     return out
+
+
+def _disabled(what: str, backend: str, context_length: int, capacity: int, extra: str = "") -> str:
+    """The one warning of invariant 4: it names backend, context length and request capacity."""
+    return (
+        f"{what} for backend {backend} with context_length {context_length} and capture "
+        f"request capacity {capacity}{extra}; prefill runs eagerly"
+    )
 
 
 def _require_positive(name: str, value: int) -> None:

@@ -31,8 +31,8 @@ def test_seed_scenario_on_cuda(backend, tmp_path):
 
 def run_seed_scenario(backend: str, device: str, tmp_path) -> None:
     kind = "cuda" if device == "cuda" else "cpu"
-    # breakable on CPU runs serve's default: the rank in a local Ray actor
-    executor = None if (backend, device) == ("breakable", "cpu") else "local"
+    # breakable runs serve's default, the rank in a local Ray actor; the others in-process
+    executor = None if backend == "breakable" else "local"
     server = ServerProcess(*SEED_ARGS, "--prefill-backend", backend, "--device", device,
                            log_path=tmp_path / "log", executor=executor)  # fmt: skip
     try:

@@ -93,6 +93,20 @@ class AttentionBackend(ABC):
 
         return attend
 
+    def _store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        batch: ForwardBatch,
+    ) -> tuple[AttentionSpec, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The path's metadata, heads split out, and this pass's K/V written to the pool."""
+        spec = self.registry.spec(key)
+        q3, k3, v3 = self._split_heads(q, k, v, spec)
+        self.kv.store(spec.kv_layer, batch.out_cache_loc, k3, v3)
+        return spec, q3, k3, v3
+
     def _split_heads(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

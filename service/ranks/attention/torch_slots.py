@@ -82,9 +82,7 @@ class TorchSlotAttention(AttentionBackend):
         batch: ForwardBatch,
         layout: SlotLayout,
     ) -> torch.Tensor:
-        spec = self.registry.spec(key)
-        q3, k3, v3 = self._split_heads(q, k, v, spec)
-        self.kv.store(spec.kv_layer, batch.out_cache_loc, k3, v3)
+        spec, q3, _, _ = self._store(q, k, v, key, batch)
         num_tokens, num_heads, head_dim = q3.shape
         queries = q3[layout.q_index]  # (S, Qmax, Hq, D)
         keys = self.kv.k[spec.kv_layer][layout.rows]  # (S, ctx, Hkv, D)

@@ -49,9 +49,7 @@ class TorchVarlenAttention(AttentionBackend):
         key: AttentionKey,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        spec = self.registry.spec(key)
-        q3, k3, v3 = self._split_heads(q, k, v, spec)
-        self.kv.store(spec.kv_layer, batch.out_cache_loc, k3, v3)
+        spec, q3, _, _ = self._store(q, k, v, key, batch)
         out = torch.zeros_like(q3)  # padded tokens keep zeros
         k_cache, v_cache = self.kv.k[spec.kv_layer], self.kv.v[spec.kv_layer]
         layout = batch.layout
