@@ -12,6 +12,7 @@ evict each other (dynamo's recompile limit) and none silently falls back to eage
 
 from __future__ import annotations
 
+import operator
 import types
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.fx.passes.split_module import split_module
 
 from service.ranks.attention.custom_op import attention_context, op_attend
 from service.ranks.forward_batch import ForwardBatch
+from service.ranks.runners.base import CaptureFailed
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
 
@@ -35,33 +37,91 @@ def _is_attention(node: fx.Node) -> bool:
 
 
 class PieceGraph(nn.Module):
-    """One compiled piece; captured as a graph on the first call after ``arm()``.
+    """One compiled piece, captured as a graph on its first call while the runner captures.
 
-    Inputs are copied into static clones unless they already are the static tensors (outputs
-    of the previous piece, or the runner's static buffers), which is the common case.
+    Memory: a piece's inputs and outputs live in buffers shared by all pieces and buckets
+    (sized for the largest bucket, keyed by position, trailing shape and dtype), never in the
+    graph itself. Inputs that already are such buffers (the previous piece's outputs, the
+    runner's static inputs) are used in place; others (attention outputs) are copied into an
+    input buffer. Outputs are computed first and then copied into output buffers, so a piece
+    may overwrite the very buffer it read. An output that something later than the next piece
+    still needs (``shareable`` False) stays owned by the graph.
     """
 
-    def __init__(self, fn: Any, runner: TcPiecewiseGraphRunner) -> None:
+    def __init__(self, fn: Any, runner: TcPiecewiseGraphRunner, shareable: list[bool]) -> None:
         super().__init__()
         self.fn = fn
         self.runner = runner
+        self.shareable = shareable
         self.static_inputs: list[Any] | None = None
         self.captured: CapturedCall | None = None
+
+    def _stage(self, args: tuple) -> list[Any]:
+        staged = []
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor) or self.runner.is_static(a):
+                staged.append(a)
+            else:
+                staged.append(self.runner.shared("in", i, a).copy_(a))
+        return staged
+
+    def _store(self, out: Any) -> Any:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        stored = []
+        for i, o in enumerate(outs):
+            share = i < len(self.shareable) and self.shareable[i]
+            if share and isinstance(o, torch.Tensor) and o.dim() >= 1:
+                stored.append(self.runner.shared("out", i, o).copy_(o))
+            else:
+                stored.append(o)
+        return type(out)(stored) if isinstance(out, (tuple, list)) else stored[0]
 
     def forward(self, *args: Any) -> Any:
         if self.captured is None:
             if not self.runner.capturing:
                 return self.fn(*args)  # dynamo's own first run during tracing/compile
-            self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-            static = self.static_inputs
+            static = self._stage(args)
+            self.static_inputs = static
             self.captured = CapturedCall(
-                lambda: self.fn(*static), self.runner.device, self.runner.pool, self.runner.stream
+                lambda: self._store(self.fn(*static)),
+                self.runner.device,
+                self.runner.pool,
+                self.runner.stream,
             )
             return self.captured.out
         for dst, src in zip(self.static_inputs, args, strict=True):
             if isinstance(src, torch.Tensor) and src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
         return self.captured.replay()
+
+
+def shareable_outputs(split: fx.GraphModule) -> dict[str, list[bool]]:
+    """Per piece: which outputs are dead once the next piece has run (so buffers can be reused).
+
+    An output is shareable when every user comes before (or is) the next non-attention piece.
+    """
+    nodes = list(split.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    pieces = [
+        n for n in nodes
+        if n.op == "call_module"
+        and not any(_is_attention(m) for m in getattr(split, n.target).graph.nodes)
+    ]  # fmt: skip
+    result: dict[str, list[bool]] = {}
+    for j, node in enumerate(pieces):
+        limit = pos[pieces[j + 1]] if j + 1 < len(pieces) else -1
+        getitems = [
+            u for u in node.users if u.op == "call_function" and u.target is operator.getitem
+        ]
+        if getitems and len(getitems) == len(node.users):
+            width = max(g.args[1] for g in getitems) + 1
+            flags = [False] * width
+            for g in getitems:
+                flags[g.args[1]] = limit >= 0 and all(pos[u] <= limit for u in g.users)
+        else:
+            flags = [limit >= 0 and all(pos[u] <= limit for u in node.users)]
+        result[node.target] = flags
+    return result
 
 
 class TcPiecewiseGraphRunner(GraphRunner):
@@ -74,6 +134,27 @@ class TcPiecewiseGraphRunner(GraphRunner):
         self.piece_compiler = piece_compiler
         self.capturing = False
         self.num_pieces: dict[int, int] = {}
+        self._shared: dict[tuple, torch.Tensor] = {}
+        self._static_ptrs = {self.buffers.input_ids.data_ptr(), self.buffers.positions.data_ptr()}
+
+    def shared(self, role: str, index: int, like: torch.Tensor) -> torch.Tensor:
+        """A buffer for ``like``'s leading rows, shared by every piece and bucket."""
+        key = (role, index, tuple(like.shape[1:]), like.dtype)
+        buf = self._shared.get(key)
+        if like.shape[0] > self.buffers.max_tokens:
+            raise CaptureFailed(
+                f"piece tensor of {like.shape[0]} rows exceeds the largest bucket "
+                f"{self.buffers.max_tokens}"
+            )
+        if buf is None:  # never reallocated: captured graphs keep the address
+            shape = (self.buffers.max_tokens, *like.shape[1:])
+            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+            self._shared[key] = buf
+            self._static_ptrs.add(buf.data_ptr())
+        return buf[: like.shape[0]]
+
+    def is_static(self, t: torch.Tensor) -> bool:
+        return t.data_ptr() in self._static_ptrs
 
     def _backend(self, bucket: int):
         def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
@@ -88,6 +169,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
                 return counter["part"]
 
             split = split_module(gm, None, partition, keep_original_order=True)
+            shareable = shareable_outputs(split)
             pieces = 0
             for name, sub in list(split.named_children()):
                 if any(_is_attention(n) for n in sub.graph.nodes):
@@ -95,7 +177,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
                 fn = sub
                 if self.piece_compiler == "inductor":
                     fn = torch.compile(sub, backend="inductor", dynamic=False, fullgraph=True)
-                split.register_module(name, PieceGraph(fn, self))
+                split.register_module(name, PieceGraph(fn, self, shareable[name]))
                 pieces += 1
             self.num_pieces[bucket] = pieces
             return split.forward
