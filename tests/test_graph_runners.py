@@ -88,7 +88,7 @@ def test_random_batches_replay_equals_eager(graph_engine, eager_engine, device):
         g_out, g = prefill_logits(graph_engine, prompts)
         e_out, e = prefill_logits(eager_engine, prompts)
         assert g.record.graph_hit, (seed, g.record)
-        assert g.record.bucket >= sum(map(len, prompts))
+        assert g.record.bucket >= g.record.num_tokens  # batches over 512 tokens are chunked
         assert [o.output_ids for o in g_out] == [o.output_ids for o in e_out], seed
         diff = (g.logits - e.logits).abs().max().item()
         assert g.record.graph_kind == kind(device)

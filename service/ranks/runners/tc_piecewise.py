@@ -135,7 +135,10 @@ class TcPiecewiseGraphRunner(GraphRunner):
         self.capturing = False
         self.num_pieces: dict[int, int] = {}
         self._shared: dict[tuple, torch.Tensor] = {}
+        # Dynamo lifts parameters and buffers into graph inputs: they are static, never copied
         self._static_ptrs = {self.buffers.input_ids.data_ptr(), self.buffers.positions.data_ptr()}
+        self._static_ptrs |= {t.data_ptr() for t in self.model.parameters()}
+        self._static_ptrs |= {t.data_ptr() for t in self.model.buffers()}
 
     def shared(self, role: str, index: int, like: torch.Tensor) -> torch.Tensor:
         """A buffer for ``like``'s leading rows, shared by every piece and bucket."""
