@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from service.commands import ForwardResult
 from service.config import EngineConfig
@@ -53,8 +54,6 @@ class Engine:
         self.cfg = cfg or EngineConfig()
         self.executor = executor or make_executor(self.cfg)
         self.resolved: ResolvedConfig = start_up(self.cfg, self.executor)
-        from pathlib import Path
-
         self.tokenizer: TextTokenizer | None = load_tokenizer(Path(self.resolved.model_dir))
         r = self.resolved
         self.scheduler = Scheduler(
@@ -94,8 +93,6 @@ class Engine:
             if batch is None:
                 return None
             if self.return_logits:
-                from dataclasses import replace
-
                 batch = ScheduledBatch(
                     replace(batch.command, return_logits=True), batch.requests, batch.chunk_lens
                 )
