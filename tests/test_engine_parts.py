@@ -75,3 +75,42 @@ def test_generate_cli_json_with_builtin_model_and_text():
         (rec,) = o["meta_info"]["prefill_batches"]
         assert rec["graph_hit"] and rec["graph_kind"] == "cpu" and rec["num_requests"] == 2
         assert o["meta_info"]["cuda_graph"] is False
+
+
+def test_stop_token_ids_and_stop_strings_end_generation():
+    from service.config import EngineConfig, GraphConfig
+    from service.engine import Engine
+
+    e = Engine(EngineConfig(device="cpu", context_length=64, graph=GraphConfig(backend="eager")))
+    prompt = [104, 101, 108, 108, 111]
+    (free,) = e.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert len(free.output_ids) == 8
+    stop_id = free.output_ids[2]
+    (by_id,) = e.generate(
+        [prompt], SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=(stop_id,))
+    )
+    cut = free.output_ids.index(stop_id) + 1
+    assert by_id.output_ids == free.output_ids[:cut]
+    assert by_id.meta_info["finish_reason"] == {"type": "stop", "matched": stop_id}
+
+
+def test_stop_strings_end_generation_and_are_cut_from_text():
+    from service.buckets import ResolvedRequestPool, resolve_plan
+    from service.commands import ForwardResult
+    from service.scheduler import Scheduler
+
+    plan = resolve_plan(backend="eager", context_length=64, pool=ResolvedRequestPool(2),
+                        max_prefill_tokens=64)  # fmt: skip
+    detok = "".join  # token i is the i-th letter, below
+    sched = Scheduler(plan=plan, context_length=64, max_running_requests=2, num_kv_slots=256,
+                      chunked_prefill_size=64, vocab_size=26, eos_token_ids=(),
+                      detokenize=lambda ids: detok(chr(97 + t) for t in ids))  # fmt: skip
+    req = sched.add([0, 1], SamplingParams(max_new_tokens=10, stop=("cd",)))
+    for token in (2, 3, 4):  # "c", then "d" completes the stop string
+        batch = sched.schedule()
+        sched.process(batch, ForwardResult((token,), None))
+        if req.finished:
+            break
+    assert req.output_ids == [2, 3]
+    assert req.finish_reason == {"type": "stop", "matched": "cd"}
+    assert sched.rows.num_free == 2 and sched.slots.num_used == 0  # resources freed
