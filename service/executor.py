@@ -17,7 +17,6 @@ class RankFailure(RuntimeError):
 
 
 class Executor(ABC):
-    world_size: int = 1
     kind: str = "local"  # "local" (in this process) or "ray" (an actor per rank)
 
     @abstractmethod

@@ -55,7 +55,6 @@ class RayExecutor(Executor):
 
         self._owns_ray = ensure_ray(cfg.ray_address)
         self.cfg = cfg
-        self.world_size = cfg.tp
         self.timeout = cfg.collective_timeout_s
         self._dead: str | None = None
         self._lock = threading.Lock()

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from service.memory import PADDING_SLOT  # noqa: F401 - re-exported for rank code
-
 
 class KVCapacityError(RuntimeError):
     """The KV budget cannot hold what was asked; the message says which value to change."""
@@ -95,6 +93,6 @@ class TokenKVPool:
         ]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # loc (T,), k/v (T, Hkv, D). Padded tokens have loc == PADDING_SLOT.
+        # loc (T,), k/v (T, Hkv, D). Padded tokens have loc == service.memory.PADDING_SLOT.
         self.k[layer].index_copy_(0, loc, k.to(self.layout.dtype))
         self.v[layer].index_copy_(0, loc, v.to(self.layout.dtype))

@@ -7,13 +7,13 @@ agree across ranks: rows, slots and graph decisions arrive in each :class:`Forwa
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from service.buckets import (
+    MISS_DISABLED,
     BucketPlan,
     PlanError,
     ReplayDecision,
@@ -66,7 +66,6 @@ class RankInfo:
     eos_token_ids: tuple[int, ...]
     model_dir: str
     architecture: str
-    load_seconds: float
 
 
 def model_dir_of(cfg: EngineConfig) -> Path:
@@ -81,7 +80,6 @@ class RankWorker:
         local_gpu: int = 0,
         max_running_requests_override: int | None = None,
     ) -> None:
-        t0 = time.perf_counter()
         self.cfg = cfg
         self.tp = tp or TPGroup()
         self.model_dir = model_dir_of(cfg)
@@ -124,7 +122,6 @@ class RankWorker:
         )
         self.eager_runner = EagerRunner(self.model, self.eager_attention)
         self.runner: PrefillRunner = self.eager_runner
-        self.capture_stats: list[CaptureStat] = []
         self.info = RankInfo(
             rank=self.tp.rank,
             device=str(self.device),
@@ -137,7 +134,6 @@ class RankWorker:
             eos_token_ids=arch.eos_token_ids,
             model_dir=str(self.model_dir),
             architecture=arch.architecture,
-            load_seconds=time.perf_counter() - t0,
         )
 
     # ---- start-up: buckets -----------------------------------------------------------------
@@ -173,7 +169,6 @@ class RankWorker:
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
             return f"rank {self.tp.rank}: {type(exc).__name__}: {exc}"
-        self.capture_stats.append(stat)
         return stat
 
     # ---- run time ---------------------------------------------------------------------------
@@ -192,7 +187,7 @@ class RankWorker:
         )
         record = None
         if cmd.is_prefill:
-            decision = cmd.decision or ReplayDecision.miss("disabled")
+            decision = cmd.decision or ReplayDecision.miss(MISS_DISABLED)
             if decision.hit and not self.runner.can_replay(decision):
                 raise PlanError(
                     f"rank {self.tp.rank} was told to replay bucket {decision.bucket}, which it "
@@ -204,7 +199,7 @@ class RankWorker:
                 decision, layout.num_tokens, layout.num_requests, self.graph_kind or "cpu"
             )
         else:
-            hidden = self.eager_runner.run(batch, ReplayDecision.miss("disabled"))
+            hidden = self.eager_runner.run(batch, ReplayDecision.miss(MISS_DISABLED))
         last = hidden.index_select(0, batch.last_token_indices())
         logits = self.model.logits(last)  # (B, V)
         next_ids = sample(logits, list(cmd.sampling), list(cmd.steps))
