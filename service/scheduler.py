@@ -251,7 +251,11 @@ class Scheduler:
         if token in p.stop_token_ids:
             return {"type": "stop", "matched": token}
         if p.stop and self.detokenize is not None:
-            text = self.detokenize(req.output_ids)
+            # A stop string is checked every step, so it can only just have completed: decoding
+            # a tail that covers its bytes (4 per character at most, one byte or more per
+            # token) suffices, instead of the whole output on every step.
+            window = 4 * max(len(s) for s in p.stop) + 4
+            text = self.detokenize(req.output_ids[-window:])
             for s in p.stop:
                 if s in text:
                     return {"type": "stop", "matched": s}

@@ -121,7 +121,7 @@ def create_app(runtime: EngineRuntime, settings: ApiSettings) -> FastAPI:
     async def generate(request: Request):
         body = await _parse_body(request)
         prompts, params, single = _normalize(runtime, body)
-        handles = _submit(runtime, prompts, params)
+        handles = _submit(runtime, prompts, params, stream=body.stream)
         if body.stream:
             return StreamingResponse(
                 _stream(runtime, handles, request, single), media_type="text/event-stream"
@@ -196,9 +196,14 @@ def _normalize(
     return prompts, params, single
 
 
-def _submit(runtime: EngineRuntime, prompts: list[list[int]], params: list[SamplingParams]):
+def _submit(
+    runtime: EngineRuntime,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    stream: bool = False,
+):
     try:
-        return runtime.submit(prompts, params, asyncio.get_running_loop())
+        return runtime.submit(prompts, params, asyncio.get_running_loop(), stream)
     except QueueFull as exc:
         raise ApiError(503, str(exc), {"Retry-After": RETRY_AFTER_S}) from None
     except NotReady as exc:

@@ -44,6 +44,7 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: object | None = None  # the scheduler's Request, set by the loop thread
+    stream: bool = False  # only streaming handles are sent partial outputs
     sent: int = 0  # output tokens already streamed
     submitted_at: float = field(default_factory=time.perf_counter)
 
@@ -98,6 +99,7 @@ class EngineRuntime:
         prompts: list[list[int]],
         params: list[SamplingParams],
         loop: asyncio.AbstractEventLoop,
+        stream: bool = False,
     ) -> list[Handle]:
         """Queue the prompts of one HTTP request together, all or none.
 
@@ -117,7 +119,7 @@ class EngineRuntime:
             handles = []
             for ids, p in zip(prompts, params, strict=True):
                 self._counter += 1
-                handles.append(Handle(f"req-{self._counter}", ids, p, loop))
+                handles.append(Handle(f"req-{self._counter}", ids, p, loop, stream=stream))
             self._handles.update((h.rid, h) for h in handles)
         self._inbox.put(("submit", handles))
         return handles
@@ -182,8 +184,8 @@ class EngineRuntime:
             self.metrics.observe_prefill(outcome.result.record)
         for req in outcome.batch.requests:
             h = self._handles.get(req.rid)
-            if h is None or req.finished:
-                continue
+            if h is None or not h.stream or req.finished:
+                continue  # non-streaming handles wait for "done": no per-step detokenizing
             if len(req.output_ids) > h.sent:
                 h.sent = len(req.output_ids)
                 h.push("delta", engine.output_of(req))
