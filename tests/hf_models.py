@@ -6,6 +6,20 @@ from pathlib import Path
 
 import torch
 
+# Shape shared by both tiny checkpoints; large init so greedy choices are not near-ties.
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
 
 def make_llama(
     out: Path, *, tied: bool = False, rope_scaling: dict | None = None, shard: bool = False
@@ -14,20 +28,11 @@ def make_llama(
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
+        **TINY,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
         rope_theta=5000.0,
         rope_scaling=rope_scaling,
         tie_word_embeddings=tied,
-        initializer_range=0.2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
     )
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(out, max_shard_size="100KB" if shard else "10GB")
@@ -39,19 +44,7 @@ def make_qwen2(out: Path):
 
     torch.manual_seed(1)
     cfg = Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
+        **TINY, intermediate_size=96, rope_theta=1_000_000.0, tie_word_embeddings=True
     )
     model = Qwen2ForCausalLM(cfg).eval()
     model.save_pretrained(out)
