@@ -17,7 +17,7 @@ from service.coordinator import start_up
 from service.executor import Executor, LocalExecutor, RankFailure
 from service.resolved import ResolvedConfig
 from service.sampling import SamplingParams
-from service.scheduler import Request, ScheduledBatch, Scheduler
+from service.scheduler import Request, RequestError, ScheduledBatch, Scheduler
 from service.tokenizer import TextTokenizer, load_tokenizer
 
 log = logging.getLogger("service.engine")
@@ -89,6 +89,8 @@ class Engine:
     def step(self) -> StepOutcome | None:
         """Run one batch; None when there was nothing to run."""
         with self.lock:
+            if self.failure is not None:  # before scheduling: a dead engine allocates nothing
+                raise RankFailure(self.failure)
             batch = self.scheduler.schedule()
             if batch is None:
                 return None
@@ -96,8 +98,6 @@ class Engine:
                 batch = ScheduledBatch(
                     replace(batch.command, return_logits=True), batch.requests, batch.chunk_lens
                 )
-            if self.failure is not None:
-                raise RankFailure(self.failure)
             try:
                 result = self.executor.execute(batch.command)
             except RankFailure as exc:
@@ -126,8 +126,6 @@ class Engine:
     def encode(self, prompt: list[int] | str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                from service.scheduler import RequestError
-
                 raise RequestError("this model has no tokenizer.json; send input_ids, not text")
             return self.tokenizer.encode(prompt)
         return list(prompt)
