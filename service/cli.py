@@ -20,6 +20,7 @@ from service.buckets import (
     parse_bucket_values,
     resolve_plan,
 )
+from service.config import ATTENTION_BACKENDS, FLASHINFER_KERNELS
 
 PLAN_DEFAULT_CONTEXT_LENGTH = 2048
 PLAN_DEFAULT_MAX_RUNNING_REQUESTS = 8
@@ -115,6 +116,18 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks")
     p.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None)
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="auto: FlashInfer on CUDA when installed and the head dim is supported, else torch",
+    )
+    p.add_argument(
+        "--flashinfer-kernel",
+        choices=FLASHINFER_KERNELS,
+        default="auto",
+        help="FlashInfer prefill kernels: auto (FlashInfer's choice, fa3 on Hopper), fa2, fa3",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument(

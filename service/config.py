@@ -14,6 +14,10 @@ from service.buckets import PREFILL_BACKENDS, PlanError, PrefillBackend
 LoadFormat = Literal["auto", "random"]
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+AttentionName = Literal["auto", "flashinfer", "torch"]
+FlashInferKernel = Literal["auto", "fa2", "fa3"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")
+FLASHINFER_KERNELS: tuple[str, ...] = ("auto", "fa2", "fa3")
 
 DEFAULT_CONTEXT_LENGTH_CAP = 4096  # used when the model allows more and the user sets nothing
 DEFAULT_CHUNKED_PREFILL_CPU = 2048
@@ -58,8 +62,22 @@ class EngineConfig:
     # (Ray when tp > 1 or a cluster address is given)
     executor: Literal["auto", "ray", "local"] = "auto"
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    # attention kernels: "auto" takes FlashInfer on CUDA when it is installed and supports the
+    # model's head dim and dtype, else torch; see service.ranks.attention.select
+    attention_backend: AttentionName = "auto"
+    flashinfer_kernel: FlashInferKernel = "auto"  # FlashInfer's own choice: fa3 on Hopper
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise PlanError(
+                f"unsupported attention backend {self.attention_backend!r}; "
+                f"supported: {list(ATTENTION_BACKENDS)}"
+            )
+        if self.flashinfer_kernel not in FLASHINFER_KERNELS:
+            raise PlanError(
+                f"unsupported FlashInfer kernel {self.flashinfer_kernel!r}; "
+                f"supported: {list(FLASHINFER_KERNELS)}"
+            )
         for name in (
             "tp",
             "context_length",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from service.buckets import GRAPH_BACKENDS, agree_plans, drop_buckets
+from service.buckets import GRAPH_BACKENDS, PlanError, agree_plans, drop_buckets
 from service.config import EngineConfig
 from service.executor import Executor
 from service.resolved import RankCapture, ResolvedConfig
@@ -24,6 +24,13 @@ log = logging.getLogger("service.coordinator")
 
 def start_up(cfg: EngineConfig, executor: Executor) -> ResolvedConfig:
     infos = executor.infos()
+    kernels = {i.attention.name for i in infos}
+    if len(kernels) > 1:  # ranks of one model must run the same attention kernels
+        raise PlanError(
+            "ranks chose different attention backends: "
+            + ", ".join(f"rank {i.rank}: {i.attention.name} ({i.attention.reason})" for i in infos)
+            + "; pass --attention-backend explicitly"
+        )
     agreed = agree_plans(executor.local_plans())
     captures: dict[int, list[dict]] = {i: [] for i in range(len(infos))}
     if agreed.enabled:
@@ -81,6 +88,7 @@ def start_up(cfg: EngineConfig, executor: Executor) -> ResolvedConfig:
         chunked_prefill_size=min(i.chunked_prefill_size for i in infos),
         vocab_size=first.vocab_size,
         eos_token_ids=first.eos_token_ids,
+        attention=first.attention.to_json(),
         plan=plan,
         graph_kind=executor.graph_kind() if plan.enabled else None,
         captures=tuple(RankCapture(r, tuple(s)) for r, s in sorted(captures.items())),

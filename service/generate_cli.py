@@ -31,6 +31,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         ray_address=args.ray_address,
         executor=args.executor,
+        attention_backend=args.attention_backend,
+        flashinfer_kernel=args.flashinfer_kernel,
     )
 
 

@@ -37,6 +37,7 @@ class ResolvedConfig:
     chunked_prefill_size: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    attention: dict  # AttentionChoice.to_json(): the kernels every rank runs, and why
     plan: BucketPlan  # the agreed plan, capture failures dropped: what prefill replays
     graph_kind: str | None  # "cuda" | "cpu" | None (eager)
     captures: tuple[RankCapture, ...]
@@ -54,6 +55,7 @@ class ResolvedConfig:
             "max_running_requests": self.max_running_requests,
             "num_kv_slots": self.num_kv_slots,
             "chunked_prefill_size": self.chunked_prefill_size,
+            "attention_backend": self.attention,
             "prefill_backend": self.plan.backend,
             "capture_request_capacity": self.plan.capture_request_capacity,
             "max_capture_tokens": plan["max_capture_tokens"],

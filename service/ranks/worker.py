@@ -27,6 +27,11 @@ from service.model.builtin import builtin_model_dir
 from service.model.loader import build_model
 from service.model.parallel import TPGroup
 from service.ranks.attention.base import AttentionBackend
+from service.ranks.attention.select import (
+    AttentionChoice,
+    choose_attention,
+    flashinfer_import_error,
+)
 from service.ranks.attention.torch_slots import TorchSlotAttention
 from service.ranks.attention.torch_varlen import TorchVarlenAttention
 from service.ranks.device import (
@@ -66,6 +71,7 @@ class RankInfo:
     eos_token_ids: tuple[int, ...]
     model_dir: str
     architecture: str
+    attention: AttentionChoice
 
 
 def model_dir_of(cfg: EngineConfig) -> Path:
@@ -113,13 +119,17 @@ class RankWorker:
         self.req_to_token = ReqToTokenPool(
             self.max_running_requests, self.context_length, self.device
         )
-        registry = self.model.registry
-        self.eager_attention: AttentionBackend = TorchVarlenAttention(
-            registry, self.kv, self.req_to_token
+        self.attention = choose_attention(
+            cfg.attention_backend,
+            self.device.type,
+            str(self.dtype).removeprefix("torch."),
+            arch.head_dim,
+            flashinfer_import_error()
+            if self.device.type == "cuda" and cfg.attention_backend != "torch"
+            else None,
         )
-        self.graph_attention: AttentionBackend = TorchSlotAttention(
-            registry, self.kv, self.req_to_token
-        )
+        log.info("Attention backend: %s (%s)", self.attention.name, self.attention.reason)
+        self.eager_attention, self.graph_attention = self._attention_backends(cfg)
         self.eager_runner = EagerRunner(self.model, self.eager_attention)
         self.runner: PrefillRunner = self.eager_runner
         self.info = RankInfo(
@@ -134,7 +144,24 @@ class RankWorker:
             eos_token_ids=arch.eos_token_ids,
             model_dir=str(self.model_dir),
             architecture=arch.architecture,
+            attention=self.attention,
         )
+
+    def _attention_backends(self, cfg: EngineConfig) -> tuple[AttentionBackend, AttentionBackend]:
+        """(eager attention, graph-safe attention of the ``full`` backend) for the choice."""
+        args = (self.model.registry, self.kv, self.req_to_token)
+        if self.attention.name == "flashinfer":
+            from service.ranks.attention.flashinfer_backend import (
+                FlashInferAttention,
+                FlashInferGraphAttention,
+            )
+
+            eager = FlashInferAttention(*args, kernel=cfg.flashinfer_kernel)
+            graph = FlashInferGraphAttention(
+                *args, kernel=cfg.flashinfer_kernel, workspace=eager.workspace
+            )
+            return eager, graph
+        return TorchVarlenAttention(*args), TorchSlotAttention(*args)
 
     # ---- start-up: buckets -----------------------------------------------------------------
     def resolve_local_plan(self, graph: GraphConfig | None = None) -> BucketPlan:

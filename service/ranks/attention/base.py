@@ -85,8 +85,14 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
     ) -> torch.Tensor: ...
 
+    def prepare(self, batch: ForwardBatch, bucket: int) -> None:
+        """Host-side planning before the graph of ``bucket`` is captured or replayed over
+        ``batch`` (outside the graph). Backends whose metadata is computed in-graph need none."""
+        return None
+
     def bind(self, batch: ForwardBatch) -> AttentionFn:
-        """The attention function a model forward of ``batch`` calls."""
+        """The attention function a model forward of ``batch`` calls (once per forward, so
+        per-batch planning happens once, not once per layer)."""
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
             return self.forward(q, k, v, key, batch)

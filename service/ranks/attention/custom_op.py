@@ -1,8 +1,9 @@
 """Attention as an opaque torch custom op, so `torch.compile` splits the graph around it.
 
-The op receives tensors and the (layer id, variant) key; the backend and the live batch come
-from a context variable that the runner sets around each call. The variable is scoped to the
-call (``with attention_context(...)``), not global state: nothing outside the runner sees it.
+The op receives tensors and the (layer id, variant) key; the attention function bound to the
+live batch (planned once per forward) comes from a context variable that the runner sets around
+each call. The variable is scoped to the call (``with attention_context(...)``), not global
+state: nothing outside the runner sees it.
 """
 
 from __future__ import annotations
@@ -13,24 +14,25 @@ from contextvars import ContextVar
 
 import torch
 
-from service.ranks.attention.base import AttentionBackend, AttentionKey
-from service.ranks.forward_batch import ForwardBatch
+from service.ranks.attention.base import AttentionFn, AttentionKey
 
 OP_NAME = "capture_service::attention"
-_current: ContextVar[tuple[AttentionBackend, ForwardBatch] | None] = ContextVar(
-    "capture_service_attention", default=None
-)
+_current: ContextVar[AttentionFn | None] = ContextVar("capture_service_attention", default=None)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str
 ) -> torch.Tensor:
-    bound = _current.get()
-    if bound is None:
+    attend = _current.get()
+    if attend is None:
         raise RuntimeError("capture_service::attention called outside attention_context")
-    backend, batch = bound
-    return backend.forward(q, k, v, AttentionKey(layer_id, variant), batch).clone()
+    out = attend(q, k, v, AttentionKey(layer_id, variant))
+    # a custom op's output may not alias its inputs; backends return fresh tensors, so the
+    # copy is only for one that hands back a view of q, k or v
+    aliases = any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                  for t in (q, k, v))  # fmt: skip
+    return out.clone() if aliases else out
 
 
 @attention_op.register_fake
@@ -39,8 +41,8 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant:
 
 
 @contextmanager
-def attention_context(backend: AttentionBackend, batch: ForwardBatch) -> Iterator[None]:
-    token = _current.set((backend, batch))
+def attention_context(attend: AttentionFn) -> Iterator[None]:
+    token = _current.set(attend)
     try:
         yield
     finally:

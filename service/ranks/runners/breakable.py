@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from service.ranks.attention.base import AttentionFn
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
@@ -71,27 +72,28 @@ class BreakableGraphRunner(GraphRunner):
 
         return [first, *(middle(i) for i in range(1, len(m.layers))), last]
 
-    def _attend(self, i: int, bucket: int, batch: ForwardBatch) -> None:
+    def _attend(self, i: int, bucket: int, attend: AttentionFn) -> None:
         s = self.seg
         key = self.model.layers[i].self_attn.key
-        out = self.eager_attention.forward(s.q[:bucket], s.k[:bucket], s.v[:bucket], key, batch)
-        s.attn[:bucket].copy_(out)
+        s.attn[:bucket].copy_(attend(s.q[:bucket], s.k[:bucket], s.v[:bucket], key))
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         real = tuple(n for n in capture_seq_lens if n > 0)
         batch = self.buffers.load_synthetic(real, bucket, len(real))
         fns = self._segment_fns(bucket, self.buffers.positions[:bucket])
+        attend = self.eager_attention.bind(batch)
         captured = []
         for i, fn in enumerate(fns):
             if i > 0:  # attention of layer i-1 on the synthetic batch feeds segment i
-                self._attend(i - 1, bucket, batch)
+                self._attend(i - 1, bucket, attend)
             captured.append(CapturedCall(fn, self.device, self.pool, self.stream))
         return captured
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
+        attend = self.eager_attention.bind(view)  # one plan per replay, not one per layer
         captured[0].replay()
         for i in range(1, len(captured)):
-            self._attend(i - 1, bucket, view)
+            self._attend(i - 1, bucket, attend)
             captured[i].replay()
         return self.seg.hidden[:bucket]

@@ -2,7 +2,8 @@
 
 The request axis is fixed at S slots at capture and at replay; slots without a request are
 zero-length sentinels. Attention must be graph-safe (fixed shapes, lengths read from device
-tensors): the backend's ``graph_attention``.
+tensors): the backend's ``graph_attention``. A backend that plans on the host (FlashInfer's
+CUDA-graph mode) does so in ``prepare``, outside the graph, before capture and every replay.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class FullGraphRunner(GraphRunner):
         if not self.graph_attention.graph_safe:
             raise ValueError(f"attention backend {self.graph_attention.name} is not graph-safe")
         batch = self.buffers.load_synthetic(capture_seq_lens, bucket, self.num_slots)
+        self.graph_attention.prepare(batch, bucket)
 
         def forward() -> torch.Tensor:
             # bind() inside the captured function: the per-forward attention layout is part of
@@ -36,5 +38,12 @@ class FullGraphRunner(GraphRunner):
         return CapturedCall(forward, self.device, self.pool, self.stream)
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
-        self.buffers.copy_from(batch, bucket, self.num_slots)
+        view = self.buffers.copy_from(batch, bucket, self.num_slots)
+        self.graph_attention.prepare(view, bucket)
         return captured.replay()
+
+    def forget(self, num_tokens: int) -> None:
+        super().forget(num_tokens)
+        drop = getattr(self.graph_attention, "forget", None)
+        if drop is not None:
+            drop(num_tokens)

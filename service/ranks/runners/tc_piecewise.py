@@ -202,7 +202,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
         batch = self.buffers.load_synthetic(real, bucket, len(real))
         compiled = self._forward_code(bucket)
         ids, pos = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
-        with attention_context(self.eager_attention, batch):
+        with attention_context(self.eager_attention.bind(batch)):
             compiled(ids, pos)  # trace and compile the pieces for this shape
             self.capturing = True
             try:
@@ -213,5 +213,5 @@ class TcPiecewiseGraphRunner(GraphRunner):
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
-        with attention_context(self.eager_attention, view):
+        with attention_context(self.eager_attention.bind(view)):
             return captured(self.buffers.input_ids[:bucket], self.buffers.positions[:bucket])

@@ -1,0 +1,275 @@
+"""FlashInfer attention over the token KV pool (page size 1), eager and CUDA-graph modes.
+
+Eager (:class:`FlashInferAttention`, every runner's attention between captured segments):
+one plan per forward, in :meth:`bind`, then one kernel per layer.
+
+- prefill with no cached prefix: the ragged wrapper over this pass's K/V (contiguous, no gather);
+- prefill on top of a prefix (chunked prefill): the paged wrapper over the pool;
+- decode: the decode wrapper (tensor-core kernels, which serve any GQA group size).
+
+CUDA graph (:class:`FlashInferGraphAttention`, the ``full`` backend): one paged wrapper per
+captured bucket in FlashInfer's CUDA-graph mode. The request axis is fixed at S slots and the
+query rows at the bucket; :meth:`prepare` plans on the host outside the graph, writing the live
+layout into buffers whose addresses the graph holds, before capture and before every replay.
+Buckets share those buffers and one int workspace: only one graph replays at a time and each
+replay is preceded by its own plan.
+
+Padded query rows (past the real tokens) get zeros: the kernels write only planned rows, and a
+graph's memory pool would otherwise hand them stale values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from service.ranks.attention.base import (
+    AttentionBackend,
+    AttentionFn,
+    AttentionKey,
+    AttentionRegistry,
+    AttentionSpec,
+)
+from service.ranks.attention.paged_layout import PagedLayout, paged_layout
+from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
+
+FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended split-KV scratch
+INT_WORKSPACE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What a plan depends on; paths with the same shape share wrappers and plans."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @staticmethod
+    def of(spec: AttentionSpec) -> HeadShape:
+        return HeadShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale)
+
+
+class _FlashInferBase(AttentionBackend):
+    def __init__(
+        self,
+        registry: AttentionRegistry,
+        kv: TokenKVPool,
+        req_to_token: ReqToTokenPool,
+        kernel: str = "auto",
+        workspace: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(registry, kv, req_to_token)
+        import flashinfer  # the `gpu` extra; select.py decided it is importable
+
+        self.fi = flashinfer
+        self.kernel = kernel
+        self.device = kv.k[0].device
+        self.dtype = kv.layout.dtype
+        self.workspace = (
+            workspace
+            if workspace is not None
+            else torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        )
+        paths = registry.keys()
+        self.shapes = {key: HeadShape.of(registry.spec(key)) for key in paths}
+
+    def _paged_cache(self, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        # (num_slots+1, Hkv, D) -> (pages, page_size 1, Hkv, D), FlashInfer's NHD layout
+        return self.kv.k[spec.kv_layer].unsqueeze(1), self.kv.v[spec.kv_layer].unsqueeze(1)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        return self.bind(batch)(q, k, v, key)
+
+
+class FlashInferAttention(_FlashInferBase):
+    name = "flashinfer"
+    graph_safe = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        fi, ws = self.fi, self.workspace
+        self._ragged = {
+            s: fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=self.kernel)
+            for s in set(self.shapes.values())
+        }
+        self._paged = {
+            s: fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.kernel)
+            for s in set(self.shapes.values())
+        }
+        self._decode = {
+            s: fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+            for s in set(self.shapes.values())
+        }
+
+    def path(self, layout: BatchLayout) -> str:
+        if layout.mode is ForwardMode.DECODE:
+            return "decode"
+        return "ragged" if not any(layout.prefix_lens) else "paged"
+
+    def bind(self, batch: ForwardBatch) -> AttentionFn:
+        layout = batch.layout
+        num_real = layout.num_tokens
+        path = self.path(layout)
+        pl = paged_layout(layout, self.req_to_token.context_length)
+        wrappers = {"ragged": self._ragged, "paged": self._paged, "decode": self._decode}[path]
+        kv_indices = None if path == "ragged" else pl.kv_indices(self.req_to_token.table)
+        for shape, wrapper in wrappers.items():
+            self._plan(path, wrapper, shape, pl, kv_indices)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
+            spec, q3, k3, v3 = self._store(q, k, v, key, batch)
+            out = torch.empty_like(q3)
+            if q3.shape[0] > num_real:  # padded rows (segment replays): zeros, as torch gives
+                out[num_real:].zero_()
+            wrapper = wrappers[self.shapes[key]]
+            if path == "ragged":
+                wrapper.run(q3[:num_real], k3[:num_real], v3[:num_real], out=out[:num_real])
+            else:
+                wrapper.run(q3[:num_real], self._paged_cache(spec), out=out[:num_real])
+            return out.view(q.shape[0], -1)
+
+        return attend
+
+    def _plan(
+        self,
+        path: str,
+        wrapper: Any,
+        s: HeadShape,
+        pl: PagedLayout,
+        kv_indices: torch.Tensor | None,
+    ) -> None:
+        dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
+        if path == "ragged":  # K/V of this pass only: the KV indptr is the query indptr
+            wrapper.plan(
+                pl.qo_indptr, pl.qo_indptr, s.num_heads, s.num_kv_heads, s.head_dim,
+                causal=True, sm_scale=s.scale, **dtypes,
+            )  # fmt: skip
+        elif path == "paged":
+            wrapper.plan(
+                pl.qo_indptr, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
+                s.num_heads, s.num_kv_heads, s.head_dim, 1,
+                causal=True, sm_scale=s.scale, **dtypes,
+            )  # fmt: skip
+        else:
+            wrapper.plan(
+                pl.kv_indptr, kv_indices, pl.kv_last_page_len,
+                s.num_heads, s.num_kv_heads, s.head_dim, 1,
+                sm_scale=s.scale, **dtypes,
+            )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GraphPlanBuffers:
+    """Device buffers the captured kernels read their layout from (shared by all buckets)."""
+
+    qo_indptr: torch.Tensor  # (S+1,) int32
+    kv_indptr: torch.Tensor  # (S+1,) int32
+    kv_indices: torch.Tensor  # (S*context_length + S,) int32
+    kv_last_page_len: torch.Tensor  # (S,) int32
+    int_workspace: torch.Tensor  # FlashInfer's schedule, written by plan()
+
+    @staticmethod
+    def allocate(num_slots: int, context_length: int, device: torch.device) -> GraphPlanBuffers:
+        def z(n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        return GraphPlanBuffers(
+            qo_indptr=z(num_slots + 1),
+            kv_indptr=z(num_slots + 1),
+            kv_indices=z(num_slots * context_length + num_slots),
+            kv_last_page_len=z(num_slots),
+            int_workspace=z(INT_WORKSPACE_BYTES, torch.uint8),
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv_last_page_len.shape[0]
+
+
+def live_layout(layout: BatchLayout) -> BatchLayout:
+    """The layout without zero-length entries (a capture batch lists its sentinels)."""
+    keep = [i for i, n in enumerate(layout.seq_lens) if n > 0]
+    return BatchLayout(
+        mode=layout.mode,
+        req_pool_indices=tuple(layout.req_pool_indices[i] for i in keep),
+        prefix_lens=tuple(layout.prefix_lens[i] for i in keep),
+        extend_lens=tuple(layout.extend_lens[i] for i in keep),
+    )
+
+
+class FlashInferGraphAttention(_FlashInferBase):
+    name = "flashinfer_graph"
+    graph_safe = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._buffers: GraphPlanBuffers | None = None
+        self._wrappers: dict[tuple[int, HeadShape], Any] = {}
+
+    def _buffers_for(self, num_slots: int) -> GraphPlanBuffers:
+        if self._buffers is None:
+            self._buffers = GraphPlanBuffers.allocate(
+                num_slots, self.req_to_token.context_length, self.device
+            )
+        if self._buffers.num_slots != num_slots:
+            raise ValueError(
+                f"graph attention was planned for {self._buffers.num_slots} request slots, "
+                f"not {num_slots}"
+            )
+        return self._buffers
+
+    def _wrapper(self, bucket: int, shape: HeadShape, bufs: GraphPlanBuffers) -> Any:
+        key = (bucket, shape)
+        if key not in self._wrappers:
+            w = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True,
+                qo_indptr_buf=bufs.qo_indptr, paged_kv_indptr_buf=bufs.kv_indptr,
+                paged_kv_indices_buf=bufs.kv_indices,
+                paged_kv_last_page_len_buf=bufs.kv_last_page_len, backend=self.kernel,
+            )  # fmt: skip
+            w.reset_workspace_buffer(self.workspace, bufs.int_workspace)
+            self._wrappers[key] = w
+        return self._wrappers[key]
+
+    def forget(self, bucket: int) -> None:
+        for key in [k for k in self._wrappers if k[0] == bucket]:
+            del self._wrappers[key]
+
+    def prepare(self, batch: ForwardBatch, bucket: int) -> None:
+        num_slots = batch.req_pool_indices.shape[0]
+        bufs = self._buffers_for(num_slots)
+        pl = paged_layout(live_layout(batch.layout), self.req_to_token.context_length, num_slots)
+        kv_indices = pl.kv_indices(self.req_to_token.table)
+        for shape in set(self.shapes.values()):
+            self._wrapper(bucket, shape, bufs).plan(
+                pl.qo_indptr, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
+                shape.num_heads, shape.num_kv_heads, shape.head_dim, 1,
+                causal=True, sm_scale=shape.scale,
+                q_data_type=self.dtype, kv_data_type=self.dtype,
+            )  # fmt: skip
+
+    def bind(self, batch: ForwardBatch) -> AttentionFn:
+        bucket = batch.input_ids.shape[0]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
+            spec, q3, _, _ = self._store(q, k, v, key, batch)
+            wrapper = self._wrappers.get((bucket, self.shapes[key]))
+            if wrapper is None:
+                raise RuntimeError(f"bucket {bucket} was not prepared before its graph ran")
+            out = torch.zeros_like(q3)  # rows past the live tokens stay zero at every replay
+            wrapper.run(q3, self._paged_cache(spec), out=out)
+            return out.view(q.shape[0], -1)
+
+        return attend
