@@ -136,6 +136,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the built-in model (CPU smoke test)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this bucket")
+    ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
+    ap.add_argument("--flashinfer-kernel", choices=("auto", "fa2", "fa3"), default="auto")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp())
@@ -147,6 +149,8 @@ def main() -> int:
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         kv_cache_memory_bytes=4 << 30 if torch.cuda.is_available() else 256 << 20,
+        attention_backend=args.attention,
+        flashinfer_kernel=args.flashinfer_kernel,
     )
     buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
     rows: dict[int, dict] = {}
@@ -246,6 +250,7 @@ def main() -> int:
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "
             f"{c['extra_device_bytes'] / 2**20:.0f} MiB extra device memory, failed {c['failed']}"
         )
+    print(f"attention: {worker.attention.name} ({worker.attention.reason})")
     if rates and rates[0]:
         print(
             f"measured: copy {rates[0] / 1e12:.2f} TB/s, bf16 matmul {rates[1] / 1e12:.0f} TFLOP/s"
@@ -256,6 +261,7 @@ def main() -> int:
                         "copy_bytes_per_s": rates[0], "matmul_flops": rates[1],
                         "device": torch.cuda.get_device_name() if worker.device.type == "cuda"
                         else "cpu",
+                        "attention": worker.attention.to_json(),
                         "torch": torch.__version__, "args": vars(args)}, indent=2)
         )  # fmt: skip
     return 0

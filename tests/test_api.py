@@ -29,11 +29,27 @@ def test_seed_scenario_on_cuda(backend, tmp_path):
     run_seed_scenario(backend, "cuda", tmp_path)
 
 
-def run_seed_scenario(backend: str, device: str, tmp_path) -> None:
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["breakable", "tc_piecewise", "full"])
+def test_seed_scenario_on_cuda_with_flashinfer(backend, tmp_path):
+    """A bf16 model of head dim 128: serve picks FlashInfer by itself (`full` in its CUDA-graph
+    mode); in-process, since the Ray and FlashInfer wheels do not travel to the GPU together."""
+    pytest.importorskip("flashinfer", reason="needs FlashInfer (the gpu extra)")
+    from tests.fi_model import write_fi_model
+
+    model = write_fi_model(tmp_path / "model")
+    extra = ("--model", str(model), "--load-format", "random", "--dtype", "bfloat16")
+    info = run_seed_scenario(backend, "cuda", tmp_path, extra=extra, executor="local")
+    assert info["attention_backend"]["name"] == "flashinfer"
+
+
+def run_seed_scenario(
+    backend: str, device: str, tmp_path, extra: tuple[str, ...] = (), executor: str | None = ""
+) -> dict:
     kind = "cuda" if device == "cuda" else "cpu"
-    # breakable runs serve's default, the rank in a local Ray actor; the others in-process
-    executor = None if backend == "breakable" else "local"
-    server = ServerProcess(*SEED_ARGS, "--prefill-backend", backend, "--device", device,
+    if executor == "":  # breakable runs serve's default, the rank in a Ray actor; others local
+        executor = None if backend == "breakable" else "local"
+    server = ServerProcess(*SEED_ARGS, "--prefill-backend", backend, "--device", device, *extra,
                            log_path=tmp_path / "log", executor=executor)  # fmt: skip
     try:
         hits_before = server.metric("capture_service_prefill_batches_total", result="hit",
@@ -63,6 +79,7 @@ def run_seed_scenario(backend: str, device: str, tmp_path) -> None:
         lens = [n for n in info["buckets"][0]["capture_seq_lens"] if n]
         assert lens == [2048, 2048]
         assert info["capture"][0]["buckets"][0]["num_tokens"] == 4096
+        return info
     finally:
         server.stop()
 

@@ -201,7 +201,13 @@ def test_capture_progress_is_logged(caplog):
     assert all(s["seconds"] > 0 for s in stats)
 
 
-def test_tc_piecewise_splits_at_every_attention():
-    e = engine("tc_piecewise", buckets=(32,))
+def test_tc_piecewise_splits_at_every_attention_and_traces_once():
+    e = engine("tc_piecewise", buckets=(24, 32, 64, 256))
     runner = e.executor.worker.runner
-    assert runner.num_pieces[32] == e.executor.worker.model.cfg.num_hidden_layers + 1
+    assert runner.pieces_of(32) == e.executor.worker.model.cfg.num_hidden_layers + 1
+    # one symbolic trace serves all four buckets (the capture-time budget depends on it)
+    assert runner.traces == 1 and runner.captured_buckets() == (24, 32, 64, 256)
+    for prompt_lens in ((5,), (30,), (100, 100)):
+        outs = e.generate([[3] * n for n in prompt_lens], SamplingParams(max_new_tokens=1))
+        assert all(o.meta_info["prefill_batches"][0]["graph_hit"] for o in outs)
+    assert runner.traces == 1  # replays never retrace

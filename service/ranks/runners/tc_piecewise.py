@@ -1,13 +1,16 @@
 """`tc_piecewise`: torch.compile splits the forward at attention; pieces are captured per bucket.
 
-For each bucket, dynamo traces the forward at that static shape; attention is the opaque custom
-op ``capture_service::attention``. The traced FX graph is split at every attention node
-(``torch.fx.passes.split_module``); each non-attention piece is compiled (inductor on CUDA by
-default, the FX graph as traced on CPU, where inductor's C++ build would dominate a 2-core CI)
-and captured as its own graph. Attention runs eagerly between pieces with the live batch.
+Dynamo traces the forward once with a symbolic token count; attention is the opaque custom op
+``capture_service::attention``. The traced FX graph is split at every attention node
+(``torch.fx.passes.split_module``); each non-attention piece is compiled once for dynamic shapes
+(inductor on CUDA by default, the FX graph as traced on CPU, where inductor's C++ build would
+dominate a 2-core CI) and captured as its own graph for every bucket. Attention runs eagerly
+between pieces with the live batch.
 
-A fresh code object per bucket gives each bucket its own dynamo cache entry, so buckets never
-evict each other (dynamo's recompile limit) and none silently falls back to eager.
+Buckets that take the same Python path through the model share one compile: the MLP runs in
+``MLP_TOKEN_CHUNK`` token chunks, so the number of chunks is part of the traced graph. Each such
+shape class gets its own code object, hence its own dynamo cache entry, so classes never evict
+each other (dynamo's recompile limit) and none silently falls back to eager.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
+from service.model.llama import MLP_TOKEN_CHUNK
 from service.ranks.attention.custom_op import attention_context, op_attend
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.base import CaptureFailed
@@ -37,7 +41,7 @@ def _is_attention(node: fx.Node) -> bool:
 
 
 class PieceGraph(nn.Module):
-    """One compiled piece, captured as a graph on its first call while the runner captures.
+    """One compiled piece, captured as one graph per bucket while the runner captures.
 
     Memory: a piece's inputs and outputs live in buffers shared by all pieces and buckets
     (sized for the largest bucket, keyed by position, trailing shape and dtype), never in the
@@ -53,8 +57,7 @@ class PieceGraph(nn.Module):
         self.fn = fn
         self.runner = runner
         self.shareable = shareable
-        self.static_inputs: list[Any] | None = None
-        self.captured: CapturedCall | None = None
+        self.captured: dict[int, tuple[list[Any], CapturedCall]] = {}  # bucket -> inputs, graph
 
     def _stage(self, args: tuple) -> list[Any]:
         staged = []
@@ -77,22 +80,25 @@ class PieceGraph(nn.Module):
         return type(out)(stored) if isinstance(out, (tuple, list)) else stored[0]
 
     def forward(self, *args: Any) -> Any:
-        if self.captured is None:
+        bucket = self.runner.bucket
+        entry = self.captured.get(bucket)
+        if entry is None:
             if not self.runner.capturing:
-                return self.fn(*args)  # dynamo's own first run during tracing/compile
+                return self.fn(*args)  # the first run of a shape class: compiles the piece
             static = self._stage(args)
-            self.static_inputs = static
-            self.captured = CapturedCall(
+            call = CapturedCall(
                 lambda: self._store(self.fn(*static)),
                 self.runner.device,
                 self.runner.pool,
                 self.runner.stream,
             )
-            return self.captured.out
-        for dst, src in zip(self.static_inputs, args, strict=True):
+            self.captured[bucket] = (static, call)
+            return call.out
+        static, call = entry
+        for dst, src in zip(static, args, strict=True):
             if isinstance(src, torch.Tensor) and src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
-        return self.captured.replay()
+        return call.replay()
 
 
 def shareable_outputs(split: fx.GraphModule) -> dict[str, list[bool]]:
@@ -133,7 +139,11 @@ class TcPiecewiseGraphRunner(GraphRunner):
             piece_compiler = "inductor" if self.device.type == "cuda" else "eager"
         self.piece_compiler = piece_compiler
         self.capturing = False
+        self.bucket: int | None = None  # the bucket being captured or replayed
         self.num_pieces: dict[int, int] = {}
+        self.traces = 0  # dynamo traces (one per shape class when nothing recompiles)
+        self._compiled: dict[int, Any] = {}  # shape class -> compiled forward
+        self._pieces: dict[int, list[PieceGraph]] = {}
         self._shared: dict[tuple, torch.Tensor] = {}
         # Dynamo lifts parameters and buffers into graph inputs: they are static, never copied
         self._static_ptrs = {self.buffers.input_ids.data_ptr(), self.buffers.positions.data_ptr()}
@@ -159,8 +169,14 @@ class TcPiecewiseGraphRunner(GraphRunner):
     def is_static(self, t: torch.Tensor) -> bool:
         return t.data_ptr() in self._static_ptrs
 
-    def _backend(self, bucket: int):
+    @staticmethod
+    def shape_class(bucket: int) -> int:
+        """Buckets of one class take the same path through the model (MLP chunk count)."""
+        return -(-bucket // MLP_TOKEN_CHUNK)
+
+    def _backend(self, shape_class: int):
         def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
+            self.traces += 1
             counter = {"part": 0}
 
             def partition(node: fx.Node) -> int:
@@ -179,39 +195,61 @@ class TcPiecewiseGraphRunner(GraphRunner):
                     continue  # attention stays eager
                 fn = sub
                 if self.piece_compiler == "inductor":
-                    fn = torch.compile(sub, backend="inductor", dynamic=False, fullgraph=True)
-                split.register_module(name, PieceGraph(fn, self, shareable[name]))
+                    fn = torch.compile(sub, backend="inductor", dynamic=True, fullgraph=True)
+                piece = PieceGraph(fn, self, shareable[name])
+                split.register_module(name, piece)
+                self._pieces.setdefault(shape_class, []).append(piece)
                 pieces += 1
-            self.num_pieces[bucket] = pieces
+            self.num_pieces[shape_class] = pieces
             return split.forward
 
         return backend
 
-    def _forward_code(self, bucket: int):
+    def _forward_code(self, shape_class: int):
         model = self.model
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model(input_ids, positions, op_attend)
 
-        code = forward.__code__.replace(co_name=f"tc_piecewise_bucket_{bucket}")
+        code = forward.__code__.replace(co_name=f"tc_piecewise_class_{shape_class}")
         fn = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
-        return torch.compile(fn, backend=self._backend(bucket), dynamic=False, fullgraph=True)
+        return torch.compile(fn, backend=self._backend(shape_class), dynamic=None, fullgraph=True)
+
+    def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
+        for t in (ids, pos):  # one trace serves every bucket of the class
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return ids, pos
+
+    def pieces_of(self, bucket: int) -> int:
+        return self.num_pieces[self.shape_class(bucket)]
+
+    def forget(self, num_tokens: int) -> None:
+        super().forget(num_tokens)
+        for piece in self._pieces.get(self.shape_class(num_tokens), []):
+            piece.captured.pop(num_tokens, None)
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         real = tuple(n for n in capture_seq_lens if n > 0)
         batch = self.buffers.load_synthetic(real, bucket, len(real))
-        compiled = self._forward_code(bucket)
-        ids, pos = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
+        cls = self.shape_class(bucket)
+        first = cls not in self._compiled
+        if first:
+            self._compiled[cls] = self._forward_code(cls)
+        compiled = self._compiled[cls]
+        self.bucket = bucket
         with attention_context(self.eager_attention.bind(batch)):
-            compiled(ids, pos)  # trace and compile the pieces for this shape
+            if first:
+                compiled(*self._inputs(bucket))  # trace once, compile the pieces
             self.capturing = True
             try:
-                compiled(ids, pos)  # each piece warms up and is captured
+                compiled(*self._inputs(bucket))  # each piece warms up and is captured
             finally:
                 self.capturing = False
         return compiled
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
+        self.bucket = bucket
         with attention_context(self.eager_attention.bind(view)):
-            return captured(self.buffers.input_ids[:bucket], self.buffers.positions[:bucket])
+            return captured(*self._inputs(bucket))
