@@ -204,7 +204,7 @@ def test_capture_progress_is_logged(caplog):
 def test_tc_piecewise_splits_at_every_attention_and_traces_once():
     e = engine("tc_piecewise", buckets=(24, 32, 64, 256))
     runner = e.executor.worker.runner
-    assert runner.pieces_of(32) == e.executor.worker.model.cfg.num_hidden_layers + 1
+    assert runner.num_pieces == e.executor.worker.model.cfg.num_hidden_layers + 1
     # one symbolic trace serves all four buckets (the capture-time budget depends on it)
     assert runner.traces == 1 and runner.captured_buckets() == (24, 32, 64, 256)
     for prompt_lens in ((5,), (30,), (100, 100)):

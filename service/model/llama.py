@@ -106,7 +106,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        if x.shape[0] <= MLP_TOKEN_CHUNK:
+        # Compiled (tc_piecewise) pieces run it whole: inductor fuses the activation into one
+        # kernel, and no size test enters the trace, so one trace serves every bucket.
+        if torch.compiler.is_compiling() or x.shape[0] <= MLP_TOKEN_CHUNK:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         # Long batches run in token chunks: the (T, 2 * intermediate) activation is the largest

@@ -7,10 +7,9 @@ Dynamo traces the forward once with a symbolic token count; attention is the opa
 dominate a 2-core CI) and captured as its own graph for every bucket. Attention runs eagerly
 between pieces with the live batch.
 
-Buckets that take the same Python path through the model share one compile: the MLP runs in
-``MLP_TOKEN_CHUNK`` token chunks, so the number of chunks is part of the traced graph. Each such
-shape class gets its own code object, hence its own dynamo cache entry, so classes never evict
-each other (dynamo's recompile limit) and none silently falls back to eager.
+One trace serves every bucket: nothing in the traced forward tests the token count (the MLP's
+eager token chunking is skipped under compile). ``traces`` counts dynamo traces, so a test sees
+a retrace at once instead of a silent recompile.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from service.model.llama import MLP_TOKEN_CHUNK
 from service.ranks.attention.custom_op import attention_context, op_attend
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.base import CaptureFailed
@@ -47,51 +45,95 @@ class PieceGraph(nn.Module):
     (sized for the largest bucket, keyed by position, trailing shape and dtype), never in the
     graph itself. Inputs that already are such buffers (the previous piece's outputs, the
     runner's static inputs) are used in place; others (attention outputs) are copied into an
-    input buffer. Outputs are computed first and then copied into output buffers, so a piece
-    may overwrite the very buffer it read. An output that something later than the next piece
-    still needs (``shareable`` False) stays owned by the graph.
+    input buffer. The piece writes its outputs into the output buffers from inside the compiled
+    code, so inductor's last kernel stores straight there (no copy after the graph); neighbours
+    alternate between two sets of output buffers, so a piece never writes what it reads. An
+    output that something later than the next piece still needs (``shareable`` False) stays
+    owned by the graph.
     """
 
-    def __init__(self, fn: Any, runner: TcPiecewiseGraphRunner, shareable: list[bool]) -> None:
+    def __init__(
+        self, sub: fx.GraphModule, runner: TcPiecewiseGraphRunner, shareable: list[bool], idx: int
+    ) -> None:
         super().__init__()
-        self.fn = fn
+        self.sub = sub
         self.runner = runner
         self.shareable = shareable
+        self.parity = idx % 2
+        self.fn: Any = self._run_into
+        if runner.piece_compiler == "inductor":
+            # a code object of its own per piece: dynamo caches per code object, and pieces
+            # sharing one would evict each other past its recompile limit
+            run_into = self._run_into.__func__
+            code = run_into.__code__.replace(co_name=f"tc_piece_{idx}")
+            fn = types.FunctionType(code, run_into.__globals__, code.co_name)
+            self.fn = torch.compile(types.MethodType(fn, self), backend="inductor",
+                                    dynamic=True, fullgraph=True)  # fmt: skip
+        self.out_specs: list[tuple[tuple[int, ...], torch.dtype] | None] | None = None
+        self.tuple_out = True
         self.captured: dict[int, tuple[list[Any], CapturedCall]] = {}  # bucket -> inputs, graph
+
+    def _run_into(self, outs: list[torch.Tensor | None], *args: Any) -> Any:
+        res = self.sub(*args)
+        flat = res if isinstance(res, (tuple, list)) else (res,)
+        for o, r in zip(outs, flat, strict=False):
+            if o is not None:
+                o.copy_(r)
+        return tuple(o if o is not None else r for o, r in zip(outs, flat, strict=False))
+
+    def _learn_outputs(self, args: tuple) -> Any:
+        """The first run of a shape class: plain FX, to learn which outputs go to buffers."""
+        res = self.sub(*args)
+        self.tuple_out = isinstance(res, (tuple, list))
+        flat = res if self.tuple_out else (res,)
+        specs = []
+        for i, r in enumerate(flat):
+            share = i < len(self.shareable) and self.shareable[i]
+            # token-axis outputs only: the buffers are sliced to each bucket's rows
+            ok = share and isinstance(r, torch.Tensor) and r.dim() >= 1
+            ok = ok and r.shape[0] == self.runner.bucket
+            specs.append((tuple(r.shape[1:]), r.dtype) if ok else None)
+        self.out_specs = specs
+        return res
+
+    def _outs(self, rows: int) -> list[torch.Tensor | None]:
+        assert self.out_specs is not None
+        return [
+            None if spec is None
+            else self.runner.shared(f"out{self.parity}", i, rows, spec[0], spec[1])
+            for i, spec in enumerate(self.out_specs)
+        ]  # fmt: skip
+
+    def _call(self, outs: list[torch.Tensor | None], args: list[Any]) -> Any:
+        res = self.fn(outs, *args)
+        return tuple(res) if self.tuple_out else res[0]
 
     def _stage(self, args: tuple) -> list[Any]:
         staged = []
         for i, a in enumerate(args):
-            if not isinstance(a, torch.Tensor) or self.runner.is_static(a):
+            token_axis = isinstance(a, torch.Tensor) and a.dim() >= 1
+            token_axis = token_axis and a.shape[0] == self.runner.bucket
+            # non-token tensors (a float attribute dynamo lifted to a 0-d tensor) are constants
+            if not token_axis or self.runner.is_static(a):
                 staged.append(a)
             else:
-                staged.append(self.runner.shared("in", i, a).copy_(a))
+                staged.append(
+                    self.runner.shared("in", i, a.shape[0], a.shape[1:], a.dtype).copy_(a)
+                )
         return staged
-
-    def _store(self, out: Any) -> Any:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        stored = []
-        for i, o in enumerate(outs):
-            share = i < len(self.shareable) and self.shareable[i]
-            if share and isinstance(o, torch.Tensor) and o.dim() >= 1:
-                stored.append(self.runner.shared("out", i, o).copy_(o))
-            else:
-                stored.append(o)
-        return type(out)(stored) if isinstance(out, (tuple, list)) else stored[0]
 
     def forward(self, *args: Any) -> Any:
         bucket = self.runner.bucket
         entry = self.captured.get(bucket)
         if entry is None:
+            if self.out_specs is None:
+                return self._learn_outputs(args)
+            outs = self._outs(bucket)
             if not self.runner.capturing:
-                return self.fn(*args)  # the first run of a shape class: compiles the piece
+                return self._call(outs, list(args))
             static = self._stage(args)
-            call = CapturedCall(
-                lambda: self._store(self.fn(*static)),
-                self.runner.device,
-                self.runner.pool,
-                self.runner.stream,
-            )
+            call = CapturedCall(lambda: self._call(outs, static), self.runner.device,
+                                self.runner.pool, self.runner.stream)  # fmt: skip
             self.captured[bucket] = (static, call)
             return call.out
         static, call = entry
@@ -140,41 +182,37 @@ class TcPiecewiseGraphRunner(GraphRunner):
         self.piece_compiler = piece_compiler
         self.capturing = False
         self.bucket: int | None = None  # the bucket being captured or replayed
-        self.num_pieces: dict[int, int] = {}
-        self.traces = 0  # dynamo traces (one per shape class when nothing recompiles)
-        self._compiled: dict[int, Any] = {}  # shape class -> compiled forward
-        self._pieces: dict[int, list[PieceGraph]] = {}
+        self.num_pieces = 0
+        self.traces = 0  # dynamo traces of the forward: one unless something recompiles
+        self._compiled: Any = None
+        self._pieces: list[PieceGraph] = []
         self._shared: dict[tuple, torch.Tensor] = {}
         # Dynamo lifts parameters and buffers into graph inputs: they are static, never copied
         self._static_ptrs = {self.buffers.input_ids.data_ptr(), self.buffers.positions.data_ptr()}
         self._static_ptrs |= {t.data_ptr() for t in self.model.parameters()}
         self._static_ptrs |= {t.data_ptr() for t in self.model.buffers()}
 
-    def shared(self, role: str, index: int, like: torch.Tensor) -> torch.Tensor:
-        """A buffer for ``like``'s leading rows, shared by every piece and bucket."""
-        key = (role, index, tuple(like.shape[1:]), like.dtype)
+    def shared(
+        self, role: str, index: int, rows: int, trailing: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The first ``rows`` rows of a buffer shared by every piece and bucket."""
+        key = (role, index, tuple(trailing), dtype)
         buf = self._shared.get(key)
-        if like.shape[0] > self.buffers.max_tokens:
+        if rows > self.buffers.max_tokens:
             raise CaptureFailed(
-                f"piece tensor of {like.shape[0]} rows exceeds the largest bucket "
-                f"{self.buffers.max_tokens}"
+                f"piece tensor of {rows} rows exceeds the largest bucket {self.buffers.max_tokens}"
             )
         if buf is None:  # never reallocated: captured graphs keep the address
-            shape = (self.buffers.max_tokens, *like.shape[1:])
-            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+            shape = (self.buffers.max_tokens, *trailing)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
             self._shared[key] = buf
             self._static_ptrs.add(buf.data_ptr())
-        return buf[: like.shape[0]]
+        return buf[:rows]
 
     def is_static(self, t: torch.Tensor) -> bool:
         return t.data_ptr() in self._static_ptrs
 
-    @staticmethod
-    def shape_class(bucket: int) -> int:
-        """Buckets of one class take the same path through the model (MLP chunk count)."""
-        return -(-bucket // MLP_TOKEN_CHUNK)
-
-    def _backend(self, shape_class: int):
+    def _backend(self):
         def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
             self.traces += 1
             counter = {"part": 0}
@@ -193,27 +231,25 @@ class TcPiecewiseGraphRunner(GraphRunner):
             for name, sub in list(split.named_children()):
                 if any(_is_attention(n) for n in sub.graph.nodes):
                     continue  # attention stays eager
-                fn = sub
-                if self.piece_compiler == "inductor":
-                    fn = torch.compile(sub, backend="inductor", dynamic=True, fullgraph=True)
-                piece = PieceGraph(fn, self, shareable[name])
+                piece = PieceGraph(sub, self, shareable[name], pieces)
                 split.register_module(name, piece)
-                self._pieces.setdefault(shape_class, []).append(piece)
+                self._pieces.append(piece)
                 pieces += 1
-            self.num_pieces[shape_class] = pieces
+            self.num_pieces = pieces
             return split.forward
 
         return backend
 
-    def _forward_code(self, shape_class: int):
+    def _forward_code(self):
         model = self.model
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model(input_ids, positions, op_attend)
 
-        code = forward.__code__.replace(co_name=f"tc_piecewise_class_{shape_class}")
+        # a code object of this runner's own: another runner's cache entries never evict it
+        code = forward.__code__.replace(co_name=f"tc_piecewise_forward_{id(self):x}")
         fn = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
-        return torch.compile(fn, backend=self._backend(shape_class), dynamic=None, fullgraph=True)
+        return torch.compile(fn, backend=self._backend(), dynamic=None, fullgraph=True)
 
     def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
@@ -221,26 +257,22 @@ class TcPiecewiseGraphRunner(GraphRunner):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         return ids, pos
 
-    def pieces_of(self, bucket: int) -> int:
-        return self.num_pieces[self.shape_class(bucket)]
-
     def forget(self, num_tokens: int) -> None:
         super().forget(num_tokens)
-        for piece in self._pieces.get(self.shape_class(num_tokens), []):
+        for piece in self._pieces:
             piece.captured.pop(num_tokens, None)
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         real = tuple(n for n in capture_seq_lens if n > 0)
         batch = self.buffers.load_synthetic(real, bucket, len(real))
-        cls = self.shape_class(bucket)
-        first = cls not in self._compiled
+        first = self._compiled is None
         if first:
-            self._compiled[cls] = self._forward_code(cls)
-        compiled = self._compiled[cls]
+            self._compiled = self._forward_code()
+        compiled = self._compiled
         self.bucket = bucket
         with attention_context(self.eager_attention.bind(batch)):
             if first:
-                compiled(*self._inputs(bucket))  # trace once, compile the pieces
+                compiled(*self._inputs(bucket))  # trace once; pieces learn their outputs
             self.capturing = True
             try:
                 compiled(*self._inputs(bucket))  # each piece warms up and is captured
