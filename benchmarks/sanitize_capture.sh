@@ -18,7 +18,7 @@ for backend in ${1:-full breakable tc_piecewise}; do
     python3 -m service generate --device cuda --context-length 2048 --max-running-requests 8 \
       --chunked-prefill-size 8192 --prefill-buckets 512,2048,3072,4096,6144,8192 \
       --prefill-backend "$backend" "${model[@]}" --prompt-ids "$p1" --prompt-ids "$p2" --max-new-tokens 4 --json \
-    2>&1 | grep -E "ERROR SUMMARY|Invalid|illegal|\"prefill_batches\"|Capture prefill graphs done|Attention backend|Error" | cut -c1-400
+    2>&1 | grep -E "ERROR SUMMARY|Invalid|illegal|\"prefill_batches\"|Capture prefill graphs done|Attention backend|Error" | sed -E 's/^(.{300}).*("attention_backend".*)$/\1 ... \2/' 
   status=${PIPESTATUS[0]}
   echo "=== $backend exit $status"
   [ "$status" -eq 0 ] || rc=$status

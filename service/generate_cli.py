@@ -75,7 +75,10 @@ def run_generate(args: argparse.Namespace) -> int:
                     "outputs": [
                         {"output_ids": o.output_ids, "text": o.text, "meta_info": o.meta_info}
                         for o in outputs
-                    ]
+                    ],
+                    "attention_backend": engine.resolved.attention,
+                    "prefill_backend": engine.resolved.plan.backend,
+                    "buckets": list(engine.resolved.plan.bucket_sizes),
                 }
             )
         )

@@ -211,3 +211,34 @@ def test_tc_piecewise_splits_at_every_attention_and_traces_once():
         outs = e.generate([[3] * n for n in prompt_lens], SamplingParams(max_new_tokens=1))
         assert all(o.meta_info["prefill_batches"][0]["graph_hit"] for o in outs)
     assert runner.traces == 1  # replays never retrace
+
+
+def test_tc_piecewise_compiles_each_distinct_piece_once():
+    """Middle layers are one structure: with a real dynamo compile of the pieces (the `dynamo`
+    piece compiler: traced, not inductor-compiled, so it is quick on CPU) the 5 pieces of the
+    4-layer model compile 3 times (first, middle, last) for all buckets, and replay == eager."""
+    from service.buckets import BucketPlan
+    from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+    from service.ranks.runners.tc_piecewise import TcPiecewiseGraphRunner
+
+    e = engine("tc_piecewise", buckets=(32, 64, 256))
+    w = e.executor.worker
+    plan: BucketPlan = e.resolved.plan
+    runner = TcPiecewiseGraphRunner(
+        plan, w.model, w.eager_attention, w.graph_attention, w.device, piece_compiler="dynamo"
+    )
+    with torch.inference_mode():
+        for b in (256, 64, 32):
+            runner.capture_bucket(plan, b)
+        assert runner.num_pieces == 5 and runner.piece_compiles == 3
+        lens = (100, 90)
+        layout = BatchLayout(ForwardMode.EXTEND, (0, 1), (0, 0), lens)
+        slots = list(range(1, 191))
+        w.req_to_token.write(0, 0, slots[:100])
+        w.req_to_token.write(1, 0, slots[100:])
+        ids = [random.randrange(384) for _ in range(190)]
+        batch = ForwardBatch.build(layout, ids, slots, w.device)
+        got = runner.run(batch, decide_replay(plan, 190, 2))
+        want = w.eager_runner.run(batch, decide_replay(plan, 190, 2))
+    assert runner.piece_compiles == 3  # replaying never recompiles
+    assert (got - want).abs().max().item() < 1e-5

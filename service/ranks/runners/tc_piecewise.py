@@ -38,6 +38,36 @@ def _is_attention(node: fx.Node) -> bool:
     )
 
 
+def run_into(sub: fx.GraphModule):
+    """``sub``, writing its buffered outputs into the given ``outs`` (None: returned as is)."""
+
+    def run(outs: list[torch.Tensor | None], *args: Any) -> Any:
+        res = sub(*args)
+        flat = res if isinstance(res, (tuple, list)) else (res,)
+        for o, r in zip(outs, flat, strict=False):
+            if o is not None:
+                o.copy_(r)
+        return tuple(o if o is not None else r for o, r in zip(outs, flat, strict=False))
+
+    return run
+
+
+def piece_signature(sub: fx.GraphModule) -> tuple:
+    """The piece's graph up to placeholder names. Parameters are graph inputs (dynamo lifts
+    them), so pieces of equal signature (the middle layers) compute the same function of their
+    arguments and can share one compiled callable."""
+    index: dict[fx.Node, int] = {}
+    sig = []
+    for i, node in enumerate(sub.graph.nodes):
+        index[node] = i
+        if node.op in ("get_attr", "call_module"):  # state of its own: never shared
+            return ("unshared", id(sub))
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: ("node", index[a]))
+        target = "" if node.op == "placeholder" else str(node.target)
+        sig.append((node.op, target, repr(args)))
+    return tuple(sig)
+
+
 class PieceGraph(nn.Module):
     """One compiled piece, captured as one graph per bucket while the runner captures.
 
@@ -60,26 +90,10 @@ class PieceGraph(nn.Module):
         self.runner = runner
         self.shareable = shareable
         self.parity = idx % 2
-        self.fn: Any = self._run_into
-        if runner.piece_compiler == "inductor":
-            # a code object of its own per piece: dynamo caches per code object, and pieces
-            # sharing one would evict each other past its recompile limit
-            run_into = self._run_into.__func__
-            code = run_into.__code__.replace(co_name=f"tc_piece_{idx}")
-            fn = types.FunctionType(code, run_into.__globals__, code.co_name)
-            self.fn = torch.compile(types.MethodType(fn, self), backend="inductor",
-                                    dynamic=True, fullgraph=True)  # fmt: skip
+        self.fn: Any = runner.piece_fn(sub)
         self.out_specs: list[tuple[tuple[int, ...], torch.dtype] | None] | None = None
         self.tuple_out = True
         self.captured: dict[int, tuple[list[Any], CapturedCall]] = {}  # bucket -> inputs, graph
-
-    def _run_into(self, outs: list[torch.Tensor | None], *args: Any) -> Any:
-        res = self.sub(*args)
-        flat = res if isinstance(res, (tuple, list)) else (res,)
-        for o, r in zip(outs, flat, strict=False):
-            if o is not None:
-                o.copy_(r)
-        return tuple(o if o is not None else r for o, r in zip(outs, flat, strict=False))
 
     def _learn_outputs(self, args: tuple) -> Any:
         """The first run of a shape class: plain FX, to learn which outputs go to buffers."""
@@ -105,6 +119,12 @@ class PieceGraph(nn.Module):
         ]  # fmt: skip
 
     def _call(self, outs: list[torch.Tensor | None], args: list[Any]) -> Any:
+        bucket = self.runner.bucket
+        for t in (*outs, *args):  # the token axis is symbolic: one compile for every bucket
+            # only the shared buffers: the forward's own inputs are marked in _inputs, and a
+            # mark on a parameter (whose first dim may equal a bucket) would retrace the forward
+            if isinstance(t, torch.Tensor) and self.runner.is_shared(t) and t.shape[0] == bucket:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         res = self.fn(outs, *args)
         return tuple(res) if self.tuple_out else res[0]
 
@@ -179,7 +199,13 @@ class TcPiecewiseGraphRunner(GraphRunner):
         super().__init__(*args, **kwargs)
         if piece_compiler == "auto":
             piece_compiler = "inductor" if self.device.type == "cuda" else "eager"
+        if piece_compiler not in ("inductor", "dynamo", "eager"):
+            raise ValueError(
+                f"piece_compiler must be inductor, dynamo or eager, not {piece_compiler}"
+            )
         self.piece_compiler = piece_compiler
+        self.piece_compiles = 0  # backend compiles of pieces (one per distinct piece structure)
+        self._piece_fns: dict[tuple, Any] = {}
         self.capturing = False
         self.bucket: int | None = None  # the bucket being captured or replayed
         self.num_pieces = 0
@@ -191,6 +217,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
         self._static_ptrs = {self.buffers.input_ids.data_ptr(), self.buffers.positions.data_ptr()}
         self._static_ptrs |= {t.data_ptr() for t in self.model.parameters()}
         self._static_ptrs |= {t.data_ptr() for t in self.model.buffers()}
+        self._shared_ptrs: set[int] = set()
 
     def shared(
         self, role: str, index: int, rows: int, trailing: tuple[int, ...], dtype: torch.dtype
@@ -207,7 +234,35 @@ class TcPiecewiseGraphRunner(GraphRunner):
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             self._shared[key] = buf
             self._static_ptrs.add(buf.data_ptr())
+            self._shared_ptrs.add(buf.data_ptr())
         return buf[:rows]
+
+    def piece_fn(self, sub: fx.GraphModule) -> Any:
+        """The callable a piece runs: compiled once per distinct piece structure."""
+        if self.piece_compiler == "eager":
+            return run_into(sub)
+        sig = piece_signature(sub)
+        if sig not in self._piece_fns:
+            # a code object per structure: dynamo caches per code object, so structures never
+            # evict each other past its recompile limit
+            base = run_into(sub)
+            code = base.__code__.replace(co_name=f"tc_piece_{len(self._piece_fns)}")
+            fn = types.FunctionType(code, base.__globals__, code.co_name, None, base.__closure__)
+            self._piece_fns[sig] = torch.compile(
+                fn, backend=self._piece_backend, dynamic=True, fullgraph=True
+            )
+        return self._piece_fns[sig]
+
+    def _piece_backend(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.piece_compiles += 1
+        if self.piece_compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return gm.forward  # "dynamo": traced, not compiled (CPU tests of the sharing)
+
+    def is_shared(self, t: torch.Tensor) -> bool:
+        return t.data_ptr() in self._shared_ptrs
 
     def is_static(self, t: torch.Tensor) -> bool:
         return t.data_ptr() in self._static_ptrs
