@@ -90,6 +90,10 @@ class AttentionBackend(ABC):
         ``batch`` (outside the graph). Backends whose metadata is computed in-graph need none."""
         return None
 
+    def forget(self, bucket: int) -> None:
+        """Drop what ``prepare`` keeps for ``bucket`` (its capture failed on another rank)."""
+        return None
+
     def bind(self, batch: ForwardBatch) -> AttentionFn:
         """The attention function a model forward of ``batch`` calls (once per forward, so
         per-batch planning happens once, not once per layer)."""

@@ -32,7 +32,7 @@ from service.ranks.attention.base import (
     AttentionRegistry,
     AttentionSpec,
 )
-from service.ranks.attention.paged_layout import PagedLayout, paged_layout
+from service.ranks.attention.paged_layout import PagedLayout, indptr, paged_layout
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
 
@@ -77,6 +77,7 @@ class _FlashInferBase(AttentionBackend):
         )
         paths = registry.keys()
         self.shapes = {key: HeadShape.of(registry.spec(key)) for key in paths}
+        self.head_shapes = tuple(dict.fromkeys(self.shapes.values()))  # distinct, in order
 
     def _paged_cache(self, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
         # (num_slots+1, Hkv, D) -> (pages, page_size 1, Hkv, D), FlashInfer's NHD layout
@@ -102,15 +103,15 @@ class FlashInferAttention(_FlashInferBase):
         fi, ws = self.fi, self.workspace
         self._ragged = {
             s: fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=self.kernel)
-            for s in set(self.shapes.values())
+            for s in self.head_shapes
         }
         self._paged = {
             s: fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=self.kernel)
-            for s in set(self.shapes.values())
+            for s in self.head_shapes
         }
         self._decode = {
             s: fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-            for s in set(self.shapes.values())
+            for s in self.head_shapes
         }
 
     def path(self, layout: BatchLayout) -> str:
@@ -122,11 +123,14 @@ class FlashInferAttention(_FlashInferBase):
         layout = batch.layout
         num_real = layout.num_tokens
         path = self.path(layout)
-        pl = paged_layout(layout, self.req_to_token.context_length)
         wrappers = {"ragged": self._ragged, "paged": self._paged, "decode": self._decode}[path]
-        kv_indices = None if path == "ragged" else pl.kv_indices(self.req_to_token.table)
+        if path == "ragged":  # K/V of this pass only: no KV indices to gather
+            qo, pl, kv_indices = indptr(layout.extend_lens), None, None
+        else:
+            pl = paged_layout(layout, self.req_to_token.context_length)
+            qo, kv_indices = pl.qo_indptr, pl.kv_indices(self.req_to_token.table)
         for shape, wrapper in wrappers.items():
-            self._plan(path, wrapper, shape, pl, kv_indices)
+            self._plan(path, wrapper, shape, qo, pl, kv_indices)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
             spec, q3, k3, v3 = self._store(q, k, v, key, batch)
@@ -147,18 +151,19 @@ class FlashInferAttention(_FlashInferBase):
         path: str,
         wrapper: Any,
         s: HeadShape,
-        pl: PagedLayout,
+        qo: torch.Tensor,
+        pl: PagedLayout | None,
         kv_indices: torch.Tensor | None,
     ) -> None:
         dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
-        if path == "ragged":  # K/V of this pass only: the KV indptr is the query indptr
+        if pl is None:  # ragged: the KV indptr is the query indptr
             wrapper.plan(
-                pl.qo_indptr, pl.qo_indptr, s.num_heads, s.num_kv_heads, s.head_dim,
+                qo, qo, s.num_heads, s.num_kv_heads, s.head_dim,
                 causal=True, sm_scale=s.scale, **dtypes,
             )  # fmt: skip
         elif path == "paged":
             wrapper.plan(
-                pl.qo_indptr, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
+                qo, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
                 s.num_heads, s.num_kv_heads, s.head_dim, 1,
                 causal=True, sm_scale=s.scale, **dtypes,
             )  # fmt: skip
@@ -252,7 +257,7 @@ class FlashInferGraphAttention(_FlashInferBase):
         bufs = self._buffers_for(num_slots)
         pl = paged_layout(live_layout(batch.layout), self.req_to_token.context_length, num_slots)
         kv_indices = pl.kv_indices(self.req_to_token.table)
-        for shape in set(self.shapes.values()):
+        for shape in self.head_shapes:
             self._wrapper(bucket, shape, bufs).plan(
                 pl.qo_indptr, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
                 shape.num_heads, shape.num_kv_heads, shape.head_dim, 1,

@@ -47,7 +47,8 @@ class PagedLayout:
         return real.to(torch.int32)
 
 
-def _indptr(lengths: list[int]) -> torch.Tensor:
+def indptr(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """(n+1,) int32 host offsets of consecutive ranges of these lengths."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
         out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
@@ -66,8 +67,8 @@ def paged_layout(
     if any(n > context_length for n in seq_lens):
         raise ValueError(f"a request of {max(seq_lens)} tokens exceeds context {context_length}")
     sentinels = slots - real
-    qo = _indptr(list(layout.extend_lens) + [0] * sentinels)
-    kv = _indptr(seq_lens + [1] * sentinels)
+    qo = indptr(list(layout.extend_lens) + [0] * sentinels)
+    kv = indptr(seq_lens + [1] * sentinels)
     if seq_lens:
         lens = torch.tensor(seq_lens, dtype=torch.int64)
         rows = torch.tensor(layout.req_pool_indices, dtype=torch.int64)

@@ -44,6 +44,4 @@ class FullGraphRunner(GraphRunner):
 
     def forget(self, num_tokens: int) -> None:
         super().forget(num_tokens)
-        drop = getattr(self.graph_attention, "forget", None)
-        if drop is not None:
-            drop(num_tokens)
+        self.graph_attention.forget(num_tokens)

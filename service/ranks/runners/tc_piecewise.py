@@ -96,7 +96,7 @@ class PieceGraph(nn.Module):
         self.captured: dict[int, tuple[list[Any], CapturedCall]] = {}  # bucket -> inputs, graph
 
     def _learn_outputs(self, args: tuple) -> Any:
-        """The first run of a shape class: plain FX, to learn which outputs go to buffers."""
+        """The first run after the trace: plain FX, to learn which outputs go to buffers."""
         res = self.sub(*args)
         self.tuple_out = isinstance(res, (tuple, list))
         flat = res if self.tuple_out else (res,)
@@ -104,8 +104,7 @@ class PieceGraph(nn.Module):
         for i, r in enumerate(flat):
             share = i < len(self.shareable) and self.shareable[i]
             # token-axis outputs only: the buffers are sliced to each bucket's rows
-            ok = share and isinstance(r, torch.Tensor) and r.dim() >= 1
-            ok = ok and r.shape[0] == self.runner.bucket
+            ok = share and self.runner.on_token_axis(r)
             specs.append((tuple(r.shape[1:]), r.dtype) if ok else None)
         self.out_specs = specs
         return res
@@ -119,11 +118,10 @@ class PieceGraph(nn.Module):
         ]  # fmt: skip
 
     def _call(self, outs: list[torch.Tensor | None], args: list[Any]) -> Any:
-        bucket = self.runner.bucket
         for t in (*outs, *args):  # the token axis is symbolic: one compile for every bucket
             # only the shared buffers: the forward's own inputs are marked in _inputs, and a
             # mark on a parameter (whose first dim may equal a bucket) would retrace the forward
-            if isinstance(t, torch.Tensor) and self.runner.is_shared(t) and t.shape[0] == bucket:
+            if self.runner.on_token_axis(t) and self.runner.is_shared(t):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         res = self.fn(outs, *args)
         return tuple(res) if self.tuple_out else res[0]
@@ -131,10 +129,8 @@ class PieceGraph(nn.Module):
     def _stage(self, args: tuple) -> list[Any]:
         staged = []
         for i, a in enumerate(args):
-            token_axis = isinstance(a, torch.Tensor) and a.dim() >= 1
-            token_axis = token_axis and a.shape[0] == self.runner.bucket
             # non-token tensors (a float attribute dynamo lifted to a 0-d tensor) are constants
-            if not token_axis or self.runner.is_static(a):
+            if not self.runner.on_token_axis(a) or self.runner.is_static(a):
                 staged.append(a)
             else:
                 staged.append(
@@ -261,6 +257,10 @@ class TcPiecewiseGraphRunner(GraphRunner):
             return compile_fx(gm, example_inputs)
         return gm.forward  # "dynamo": traced, not compiled (CPU tests of the sharing)
 
+    def on_token_axis(self, t: Any) -> bool:
+        """A tensor whose rows are the current bucket's tokens."""
+        return isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == self.bucket
+
     def is_shared(self, t: torch.Tensor) -> bool:
         return t.data_ptr() in self._shared_ptrs
 
@@ -308,7 +308,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
 
     def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
-        for t in (ids, pos):  # one trace serves every bucket of the class
+        for t in (ids, pos):  # one trace serves every bucket
             torch._dynamo.maybe_mark_dynamic(t, 0)
         return ids, pos
 
