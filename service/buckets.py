@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
+from service.errors import PlanError
+
 PrefillBackend = Literal["full", "breakable", "tc_piecewise", "eager"]
 PREFILL_BACKENDS: tuple[str, ...] = get_args(PrefillBackend)
 GRAPH_BACKENDS: tuple[str, ...] = ("full", "breakable", "tc_piecewise")
@@ -41,10 +43,6 @@ MISS_REASONS: tuple[str, ...] = (
 # The default `full` request-slot count when the user sets none: enough slots for typical
 # multi-request prefills, bounded so that the static attention metadata stays small.
 DEFAULT_FULL_REQUEST_SLOTS = 8
-
-
-class PlanError(ValueError):
-    """A planner input is invalid; the message says which value to change."""
 
 
 def default_prefill_buckets(max_prefill_tokens: int) -> tuple[int, ...]:

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from service.buckets import PREFILL_BACKENDS, PlanError, PrefillBackend
+from service.buckets import (
+    PREFILL_BACKENDS,
+    BucketPlan,
+    PrefillBackend,
+    ResolvedRequestPool,
+    resolve_plan,
+)
+from service.errors import ConfigError
 
 LoadFormat = Literal["auto", "random"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -23,7 +30,9 @@ DEFAULT_CONTEXT_LENGTH_CAP = 4096  # used when the model allows more and the use
 DEFAULT_CHUNKED_PREFILL_CPU = 2048
 DEFAULT_CHUNKED_PREFILL_CUDA = 8192
 DEFAULT_MAX_RUNNING_REQUESTS_CAP = 64
-DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # torch.distributed's own bound on one collective
+DEFAULT_STARTUP_TIMEOUT_S = 1200.0  # load, plan and capture of every rank (big checkpoints)
+DEFAULT_STEP_TIMEOUT_S = 30.0  # one forward on every rank; well under the collective timeout
 
 
 @dataclass(frozen=True)
@@ -37,9 +46,24 @@ class GraphConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in PREFILL_BACKENDS:
-            raise PlanError(
+            raise ConfigError(
                 f"unsupported prefill backend {self.backend!r}; supported: {list(PREFILL_BACKENDS)}"
             )
+
+    def plan(
+        self, *, context_length: int, pool: ResolvedRequestPool, max_prefill_tokens: int
+    ) -> BucketPlan:
+        """The one mapping from this configuration to a rank's legal bucket plan (the rank
+        worker and ``capture-service plan`` both call it)."""
+        return resolve_plan(
+            backend=self.backend,
+            context_length=context_length,
+            pool=pool,
+            max_prefill_tokens=max_prefill_tokens,
+            buckets=self.buckets,
+            full_request_slots=self.full_request_slots,
+            max_padding_fraction=self.max_padding_fraction,
+        )
 
 
 @dataclass(frozen=True)
@@ -62,6 +86,8 @@ class EngineConfig:
     # (Ray when tp > 1 or a cluster address is given)
     executor: Literal["auto", "ray", "local"] = "auto"
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     # attention kernels: "auto" takes FlashInfer on CUDA when it is installed and supports the
     # model's head dim and dtype, else torch; see service.ranks.attention.select
     attention_backend: AttentionName = "auto"
@@ -69,12 +95,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise PlanError(
+            raise ConfigError(
                 f"unsupported attention backend {self.attention_backend!r}; "
                 f"supported: {list(ATTENTION_BACKENDS)}"
             )
         if self.flashinfer_kernel not in FLASHINFER_KERNELS:
-            raise PlanError(
+            raise ConfigError(
                 f"unsupported FlashInfer kernel {self.flashinfer_kernel!r}; "
                 f"supported: {list(FLASHINFER_KERNELS)}"
             )
@@ -87,10 +113,11 @@ class EngineConfig:
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
-                raise PlanError(f"{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.executor == "local" and (self.tp > 1 or self.ray_address):
-            raise PlanError(
+            raise ConfigError(
                 "--executor local runs one rank in-process; use --executor ray for --tp > 1"
             )
-        if self.collective_timeout_s <= 0:
-            raise PlanError("collective_timeout_s must be positive")
+        for name in ("collective_timeout_s", "startup_timeout_s", "step_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -14,10 +14,13 @@ from pathlib import Path
 from service.commands import ForwardResult
 from service.config import EngineConfig
 from service.coordinator import start_up
-from service.executor import Executor, LocalExecutor, RankFailure
+from service.errors import RankFailure, RequestError
+from service.executors import make_executor
+from service.executors.base import Executor
 from service.resolved import ResolvedConfig
 from service.sampling import SamplingParams
-from service.scheduler import Request, RequestError, ScheduledBatch, Scheduler
+from service.scheduling.request import Request
+from service.scheduling.scheduler import ScheduledBatch, Scheduler
 from service.tokenizer import TextTokenizer, load_tokenizer
 
 log = logging.getLogger("service.engine")
@@ -39,21 +42,15 @@ class StepOutcome:
     finished: list[Request]
 
 
-def make_executor(cfg: EngineConfig) -> Executor:
-    if cfg.executor == "local" or (
-        cfg.executor == "auto" and cfg.tp == 1 and cfg.ray_address is None
-    ):
-        return LocalExecutor(cfg)
-    from service.ray_executor import RayExecutor
-
-    return RayExecutor(cfg)
-
-
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, executor: Executor | None = None) -> None:
         self.cfg = cfg or EngineConfig()
         self.executor = executor or make_executor(self.cfg)
-        self.resolved: ResolvedConfig = start_up(self.cfg, self.executor)
+        try:
+            self.resolved: ResolvedConfig = start_up(self.cfg, self.executor)
+        except BaseException:
+            self.executor.shutdown()  # no rank actors or Ray left behind by a failed start-up
+            raise
         self.tokenizer: TextTokenizer | None = load_tokenizer(Path(self.resolved.model_dir))
         r = self.resolved
         self.scheduler = Scheduler(
@@ -73,9 +70,9 @@ class Engine:
         log.info(
             "Engine ready: %s on %s (%s), tp %d, context %d, pool %d, kv %d tokens, "
             "backend %s, %d buckets (%s)",
-            r.architecture,
-            r.device,
-            r.dtype,
+            r.limits.architecture,
+            r.limits.device,
+            r.limits.dtype,
             r.tp,
             r.context_length,
             r.max_running_requests,
@@ -87,37 +84,54 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> StepOutcome | None:
-        """Run one batch; None when there was nothing to run."""
+        """Run one batch; None when there was nothing to run.
+
+        Whatever goes wrong inside a step (a rank failure, or any bug on this side) fails the
+        engine: every request is aborted with the reason, and :class:`RankFailure` is raised, so
+        the loop that drives the engine never dies silently with requests waiting forever.
+        """
         with self.lock:
             if self.failure is not None:  # before scheduling: a dead engine allocates nothing
                 raise RankFailure(self.failure)
-            batch = self.scheduler.schedule()
-            if batch is None:
-                return None
-            if self.return_logits:
-                batch = ScheduledBatch(
-                    replace(batch.command, return_logits=True), batch.requests, batch.chunk_lens
-                )
             try:
-                result = self.executor.execute(batch.command)
-            except RankFailure as exc:
-                self.failure = str(exc)
-                failed = self.scheduler.abort_all(f"engine failure: {exc}")
-                log.error("Aborted %d requests: %s", len(failed), exc)
-                raise
-            if self.return_logits:
-                self.last_logits.append((batch, result))
-            if result.record is not None:
-                log.info(
-                    "Prefill batch. #new-seq: %d, #new-token: %d, #running-req: %d, "
-                    "#queue-req: %d, graph: %s",
-                    len(batch.requests),
-                    result.record.num_tokens,
-                    len(self.scheduler.running),
-                    len(self.scheduler.waiting) - len(batch.requests),
-                    result.record.summary(),
-                )
-            return StepOutcome(batch, result, self.scheduler.process(batch, result))
+                return self._step()
+            except Exception as exc:
+                named = isinstance(exc, RankFailure)
+                self.fail(str(exc) if named else f"{type(exc).__name__}: {exc}")
+                raise RankFailure(self.failure) from exc
+
+    def fail(self, reason: str) -> None:
+        """Mark the engine failed (first reason kept) and abort every request with it."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = reason.splitlines()[0][:500] if reason else "engine failure"
+                log.error("Engine failed: %s", self.failure)
+            failed = self.scheduler.abort_all(f"engine failure: {self.failure}")
+            if failed:
+                log.error("Aborted %d requests: %s", len(failed), self.failure)
+
+    def _step(self) -> StepOutcome | None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        if self.return_logits:
+            batch = ScheduledBatch(
+                replace(batch.command, return_logits=True), batch.requests, batch.chunk_lens
+            )
+        result = self.executor.execute(batch.command)
+        if self.return_logits:
+            self.last_logits.append((batch, result))
+        if result.record is not None:
+            log.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #running-req: %d, "
+                "#queue-req: %d, graph: %s",
+                len(batch.requests),
+                result.record.num_tokens,
+                len(self.scheduler.running),
+                len(self.scheduler.waiting) - len(batch.requests),
+                result.record.summary(),
+            )
+        return StepOutcome(batch, result, self.scheduler.process(batch, result))
 
     def add(self, prompt: list[int] | str, sampling: SamplingParams, rid: str | None = None):
         with self.lock:
@@ -150,12 +164,9 @@ class Engine:
 
     def output_of(self, req: Request) -> GenerationOutput:
         text = self.tokenizer.decode(req.output_ids) if self.tokenizer else None
-        if (
-            text is not None
-            and req.finish_reason
-            and isinstance(req.finish_reason.get("matched"), str)
-        ):
-            text = text[: text.find(req.finish_reason["matched"])]
+        matched = req.finish_reason.matched if req.finish_reason else None
+        if text is not None and isinstance(matched, str):
+            text = text[: text.find(matched)]
         return GenerationOutput(
             rid=req.rid,
             prompt_ids=req.prompt_ids,
@@ -170,8 +181,8 @@ class Engine:
             return self.failure
         reason = self.executor.alive()
         if reason is not None:
-            self.failure = reason
-        return reason
+            self.fail(reason)
+        return self.failure
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -182,7 +193,7 @@ def meta_info(req: Request) -> dict:
     end = req.finished_at or req.created_at
     return {
         "id": req.rid,
-        "finish_reason": req.finish_reason,
+        "finish_reason": req.finish_reason.to_json() if req.finish_reason else None,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
         "e2e_latency": round(end - req.created_at, 6),

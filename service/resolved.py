@@ -5,57 +5,74 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.buckets import BucketPlan
+from service.capture_result import CaptureStat
 from service.config import EngineConfig
+from service.rank_info import RankInfo
 
 
 @dataclass(frozen=True)
 class RankCapture:
     rank: int
-    stats: tuple[dict, ...]  # CaptureStat.to_json() per bucket
+    stats: tuple[CaptureStat, ...]  # one per captured bucket, in capture order
 
     @property
     def seconds(self) -> float:
-        return sum(s["seconds"] for s in self.stats)
+        return sum(s.seconds for s in self.stats)
 
     @property
     def memory_bytes(self) -> int:
-        return sum(s["memory_bytes"] for s in self.stats)
+        return sum(s.memory_bytes for s in self.stats)
 
 
 @dataclass(frozen=True)
 class ResolvedConfig:
     config: EngineConfig
-    model_dir: str
-    architecture: str
-    device: str
-    dtype: str
-    tp: int
     executor: str  # "local" or "ray"
-    context_length: int
-    max_running_requests: int
-    num_kv_slots: int
-    chunked_prefill_size: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    attention: dict  # AttentionChoice.to_json(): the kernels every rank runs, and why
+    tp: int
+    limits: RankInfo  # the values every rank honours (service.rank_info.agree_rank_infos)
     plan: BucketPlan  # the agreed plan, capture failures dropped: what prefill replays
     graph_kind: str | None  # "cuda" | "cpu" | None (eager)
     captures: tuple[RankCapture, ...]
 
+    # the names the rest of the system reads, so that no caller reaches through `limits`
+    @property
+    def model_dir(self) -> str:
+        return self.limits.model_dir
+
+    @property
+    def context_length(self) -> int:
+        return self.limits.context_length
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.limits.max_running_requests
+
+    @property
+    def num_kv_slots(self) -> int:
+        return self.limits.num_kv_slots
+
+    @property
+    def chunked_prefill_size(self) -> int:
+        return self.limits.chunked_prefill_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.limits.eos_token_ids
+
     def to_json(self) -> dict:
         plan = self.plan.to_json()
+        limits = self.limits.to_json()
+        model, attention = limits.pop("model_dir"), limits.pop("attention")
         return {
-            "model": self.model_dir,
-            "architecture": self.architecture,
-            "device": self.device,
-            "dtype": self.dtype,
+            "model": model,
+            **limits,
+            "attention_backend": attention,
             "tp": self.tp,
             "executor": self.executor,
-            "context_length": self.context_length,
-            "max_running_requests": self.max_running_requests,
-            "num_kv_slots": self.num_kv_slots,
-            "chunked_prefill_size": self.chunked_prefill_size,
-            "attention_backend": self.attention,
             "prefill_backend": self.plan.backend,
             "capture_request_capacity": self.plan.capture_request_capacity,
             "max_capture_tokens": plan["max_capture_tokens"],
@@ -68,7 +85,7 @@ class ResolvedConfig:
                     "rank": c.rank,
                     "seconds": round(c.seconds, 4),
                     "memory_bytes": c.memory_bytes,
-                    "buckets": list(c.stats),
+                    "buckets": [s.to_json() for s in c.stats],
                 }
                 for c in self.captures
             ],

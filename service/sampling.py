@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.errors import RequestError
 
-class SamplingError(ValueError):
+
+class SamplingError(RequestError):
     """An invalid sampling value; ``field`` names it."""
 
     def __init__(self, field_name: str, message: str) -> None:

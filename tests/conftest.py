@@ -29,7 +29,7 @@ def ray_local():
     """One local Ray instance for the whole test session, on loopback, shut down at the end."""
     import ray
 
-    from service.ray_executor import ensure_ray
+    from service.executors.ray import ensure_ray
 
     ensure_ray(None)
     yield ray

@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.buckets import PlanError
 from service.config import EngineConfig
 from service.engine import Engine
-from service.memory import PADDING_SLOT
+from service.errors import ConfigError
+from service.padding import PADDING_SLOT
 from service.ranks.attention.flashinfer_backend import live_layout
 from service.ranks.attention.paged_layout import paged_layout
 from service.ranks.attention.select import choose_attention
@@ -31,13 +31,13 @@ def test_auto_takes_flashinfer_only_where_it_runs():
 
 
 def test_explicit_flashinfer_that_cannot_run_says_what_to_change():
-    with pytest.raises(PlanError, match=r"head dim 32.*--attention-backend auto or torch"):
+    with pytest.raises(ConfigError, match=r"head dim 32.*--attention-backend auto or torch"):
         choose_attention("flashinfer", "cuda", "bfloat16", 32, None)
     assert choose_attention("torch", "cuda", "bfloat16", 128, None).name == "torch"
 
 
 def test_bad_attention_backend_is_refused():
-    with pytest.raises(PlanError, match="supported: \\['auto', 'flashinfer', 'torch'\\]"):
+    with pytest.raises(ConfigError, match="supported: \\['auto', 'flashinfer', 'torch'\\]"):
         EngineConfig(attention_backend="xformers")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.ranks.attention.base import AttentionKey, AttentionRegistry, AttentionSpec
+from service.model.attention import AttentionKey, AttentionRegistry, AttentionSpec
 from service.ranks.attention.torch_slots import TorchSlotAttention
 from service.ranks.attention.torch_varlen import TorchVarlenAttention, causal_attend
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from service.ranks.kv_pool import KVCapacityError, resolve_max_running_requests
+from service.errors import CapacityError
+from service.ranks.kv_pool import resolve_max_running_requests
 from service.ranks.sampler import sample
 from service.sampling import SamplingError, SamplingParams
 
@@ -18,7 +19,7 @@ def test_pool_resolution_from_kv_capacity():
     assert resolve_max_running_requests(None, 65_535, 4096, 64) == 15
     assert resolve_max_running_requests(None, 10**9, 2048, 64) == 64
     assert resolve_max_running_requests(3, 65_535, 4096, 64) == 3
-    with pytest.raises(KVCapacityError, match="--kv-cache-memory-bytes"):
+    with pytest.raises(CapacityError, match="--kv-cache-memory-bytes"):
         resolve_max_running_requests(None, 1000, 2048, 64)
 
 
@@ -97,7 +98,8 @@ def test_stop_token_ids_and_stop_strings_end_generation():
 def test_stop_strings_end_generation_and_are_cut_from_text():
     from service.buckets import ResolvedRequestPool, resolve_plan
     from service.commands import ForwardResult
-    from service.scheduler import Scheduler
+    from service.scheduling.request import FinishReason
+    from service.scheduling.scheduler import Scheduler
 
     plan = resolve_plan(backend="eager", context_length=64, pool=ResolvedRequestPool(2),
                         max_prefill_tokens=64)  # fmt: skip
@@ -112,5 +114,5 @@ def test_stop_strings_end_generation_and_are_cut_from_text():
         if req.finished:
             break
     assert req.output_ids == [2, 3]
-    assert req.finish_reason == {"type": "stop", "matched": "cd"}
+    assert req.finish_reason == FinishReason.stop("cd")
     assert sched.rows.num_free == 2 and sched.slots.num_used == 0  # resources freed

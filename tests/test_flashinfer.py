@@ -16,7 +16,7 @@ from service.engine import Engine
 from service.ranks.attention.select import flashinfer_import_error
 from service.ranks.attention.torch_varlen import TorchVarlenAttention
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
-from service.ranks.worker import RankWorker
+from service.ranks.startup import set_up_rank
 from service.sampling import SamplingParams
 from tests.fi_model import write_fi_model
 
@@ -70,8 +70,8 @@ CASES = [
 
 @pytest.mark.parametrize(("path", "mode", "prefix", "extend"), CASES, ids=[c[0] for c in CASES])
 def test_eager_paths_match_torch(model_dir, path, mode, prefix, extend):
-    worker = RankWorker(cfg(model_dir))
-    assert worker.attention.name == "flashinfer"
+    worker = set_up_rank(cfg(model_dir))
+    assert worker.info.attention.name == "flashinfer"
     fi = worker.eager_attention
     ref = TorchVarlenAttention(worker.model.registry, worker.kv, worker.req_to_token)
     key = worker.model.layers[1].self_attn.key
@@ -130,10 +130,10 @@ def test_graph_runners_match_eager(model_dir, eager_engine, backend):
     slots = 4 if backend == "full" else None
     g = Engine(cfg(model_dir, backend, buckets=(64, 256, 1024), full_request_slots=slots))
     g.return_logits = True
-    assert g.resolved.attention["name"] == "flashinfer"
+    assert g.resolved.limits.attention.name == "flashinfer"
     assert g.resolved.graph_kind == "cuda"
     if backend == "full":
-        assert g.executor.worker.graph_attention.name == "flashinfer_graph"
+        assert g.executor.worker.setup.graph_attention.name == "flashinfer_graph"
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     for _ in range(3):

@@ -16,7 +16,7 @@ import torch
 from service.buckets import MISS_TOO_MANY_REQUESTS, decide_replay
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
-from service.memory import PADDING_SLOT
+from service.padding import PADDING_SLOT
 from service.sampling import SamplingParams
 
 BACKENDS = ["full", "breakable", "tc_piecewise"]
@@ -225,7 +225,12 @@ def test_tc_piecewise_compiles_each_distinct_piece_once():
     w = e.executor.worker
     plan: BucketPlan = e.resolved.plan
     runner = TcPiecewiseGraphRunner(
-        plan, w.model, w.eager_attention, w.graph_attention, w.device, piece_compiler="dynamo"
+        plan,
+        w.model,
+        w.setup.eager_attention,
+        w.setup.graph_attention,
+        w.device,
+        piece_compiler="dynamo",
     )
     with torch.inference_mode():
         for b in (256, 64, 32):

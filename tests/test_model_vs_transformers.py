@@ -9,9 +9,8 @@ import torch
 
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
-from service.model.arch_config import CheckpointError
+from service.errors import CheckpointError, RequestError
 from service.sampling import SamplingParams
-from service.scheduler import RequestError
 from tests.hf_models import hf_logits, make_llama, make_qwen2
 
 TOL = 1e-4

@@ -21,8 +21,8 @@ from pydantic import ValidationError
 from service.api.runtime import EngineRuntime, NotReady, QueueFull
 from service.api.schemas import GenerateRequest, SamplingParamsIn
 from service.engine import GenerationOutput
+from service.errors import RequestError
 from service.sampling import SamplingError, SamplingParams
-from service.scheduler import RequestError
 
 log = logging.getLogger("service.api")
 

@@ -87,9 +87,9 @@ class Metrics:
         self.graphs_enabled.set(1 if resolved.plan.enabled else 0)
         for cap in resolved.captures:
             for stat in cap.stats:
-                labels = (str(stat["num_tokens"]), str(cap.rank))
-                self.capture_seconds.labels(*labels).set(stat["seconds"])
-                self.capture_bytes.labels(*labels).set(stat["memory_bytes"])
+                labels = (str(stat.num_tokens), str(cap.rank))
+                self.capture_seconds.labels(*labels).set(stat.seconds)
+                self.capture_bytes.labels(*labels).set(stat.memory_bytes)
 
     def observe_prefill(self, record: GraphRecord) -> None:
         if record.graph_hit:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from service.api.metrics import Metrics
 from service.engine import Engine, GenerationOutput
-from service.executor import RankFailure
+from service.errors import RankFailure
 from service.sampling import SamplingParams
 
 log = logging.getLogger("service.runtime")
@@ -139,21 +139,30 @@ class EngineRuntime:
             log.exception("Engine start-up failed")
             return
         while not self._stop.is_set():
-            self._drain(block=not self.engine.scheduler.has_work)
-            self._check_health()
-            if self.engine.failure:
-                self._fail_all(self.engine.failure)
-                continue
-            if not self.engine.scheduler.has_work:
-                continue
             try:
-                outcome = self.engine.step()
-            except RankFailure as exc:
-                self._fail_all(str(exc))
-                continue
-            if outcome is not None:
-                self._deliver(outcome)
-            self._gauges()
+                self._turn()
+            except Exception as exc:  # never die silently: fail loudly, keep answering
+                reason = (
+                    str(exc) if isinstance(exc, RankFailure) else f"{type(exc).__name__}: {exc}"
+                )
+                if not isinstance(exc, RankFailure):
+                    log.exception("Engine loop failed")
+                self.engine.fail(reason)
+                self._fail_all(self.engine.failure or reason)
+
+    def _turn(self) -> None:
+        """One turn of the loop: take submissions, check health, run one step, deliver."""
+        self._drain(block=not self.engine.scheduler.has_work)
+        self._check_health()
+        if self.engine.failure:
+            self._fail_all(self.engine.failure)
+            return
+        if not self.engine.scheduler.has_work:
+            return
+        outcome = self.engine.step()
+        if outcome is not None:
+            self._deliver(outcome)
+        self._gauges()
 
     def _drain(self, block: bool) -> None:
         try:

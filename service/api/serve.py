@@ -1,4 +1,4 @@
-"""`capture-service serve`: uvicorn over the FastAPI app and the engine's loop thread.
+"""The HTTP server: uvicorn over the FastAPI app and the engine's loop thread.
 
 The HTTP port opens at once; `/health` answers 503 while the model loads and graphs capture,
 then 200. SIGTERM stops accepting connections and lets in-flight requests finish (up to the
@@ -7,29 +7,34 @@ graceful-shutdown timeout) before the ranks are shut down.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
-GRACEFUL_SHUTDOWN_S = 30
+from service.api.app import ApiSettings
+from service.config import EngineConfig
 
 
-def build_app(args: argparse.Namespace):
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_queued_requests: int = 256
+    graceful_shutdown_timeout_s: float = 30.0
+
+
+def build_app(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions):
     from fastapi import FastAPI
 
-    from service.api.app import ApiSettings, create_app
+    from service.api.app import create_app
     from service.api.metrics import Metrics
     from service.api.runtime import EngineRuntime
     from service.engine import Engine
-    from service.generate_cli import engine_config_from_args
 
-    cfg = engine_config_from_args(args)
     runtime = EngineRuntime(
-        lambda: Engine(cfg), Metrics(), max_queued_requests=args.max_queued_requests
+        lambda: Engine(cfg), Metrics(), max_queued_requests=options.max_queued_requests
     )
-    app: FastAPI = create_app(
-        runtime, ApiSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-    )
+    app: FastAPI = create_app(runtime, settings)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -41,19 +46,19 @@ def build_app(args: argparse.Namespace):
     return app, runtime
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> int:
     import uvicorn
 
     from service.logs import setup_logging
 
     setup_logging(logging.INFO)
-    app, _ = build_app(args)
-    logging.getLogger("service.api").info("Serving on http://%s:%d", args.host, args.port)
+    app, _ = build_app(cfg, settings, options)
+    logging.getLogger("service.api").info("Serving on http://%s:%d", options.host, options.port)
     uvicorn.run(
         app,
-        host=args.host,
-        port=args.port,
+        host=options.host,
+        port=options.port,
         log_level="warning",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=int(options.graceful_shutdown_timeout_s),
     )
     return 0

@@ -7,14 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.errors import CheckpointError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded; the message names the file or tensor and what to change."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from service.model.arch_config import ArchConfig
+from service.model.attention import AttentionFn, AttentionKey, AttentionRegistry, AttentionSpec
 from service.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -26,7 +27,6 @@ from service.model.parallel import (
     VocabParallelEmbedding,
 )
 from service.model.rotary import RotaryEmbedding
-from service.ranks.attention.base import AttentionFn, AttentionKey, AttentionRegistry, AttentionSpec
 
 MLP_TOKEN_CHUNK = 2048  # GEMMs of 2048 rows already run at full rate
 

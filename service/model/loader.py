@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from service.model.arch_config import ArchConfig, CheckpointError, load_arch_config
+from service.errors import CheckpointError
+from service.model.arch_config import ArchConfig, load_arch_config
 from service.model.llama import CausalLM
 from service.model.parallel import TPGroup, copy_checked
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn import functional as F
 
-from service.model.arch_config import CheckpointError
+from service.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,15 @@ class TPGroup:
     group: dist.ProcessGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+        """The sum over ranks. Use the result: on CPU it is a new tensor."""
+        if self.world_size == 1:
+            return x
+        if x.is_cuda:  # in place, NCCL: what a CUDA graph captures
             dist.all_reduce(x, group=self.group)
-        return x
+            return x
+        # gloo: the functional collective, whose wait is an op of its own, so a traced graph
+        # (a CPU capture) keeps it; dist.all_reduce's wait is host code a trace would lose
+        return funcol.all_reduce(x, "sum", self.group)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

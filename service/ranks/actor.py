@@ -10,35 +10,23 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 from service.buckets import BucketPlan
+from service.capture_result import CaptureResult
 from service.commands import ForwardCommand, ForwardResult
 from service.config import EngineConfig
-
-
-@dataclass(frozen=True)
-class RankFaults:
-    """Deliberate faults for tests of the coordinator (never set from the CLI)."""
-
-    max_running_requests: int | None = None  # a smaller request pool on this rank
-    fail_capture_buckets: tuple[int, ...] = field(default_factory=tuple)
-
-
-class CaptureFaultInjected(RuntimeError):
-    pass
+from service.rank_info import RankInfo
 
 
 class RankActor:
-    def __init__(self, cfg: EngineConfig, rank: int, world_size: int, faults: RankFaults) -> None:
+    def __init__(self, cfg: EngineConfig, rank: int, world_size: int) -> None:
         from service.logs import setup_logging
 
         setup_logging(logging.INFO, rank=rank)
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        self.faults = faults
         self.worker = None
         self.control = None
 
@@ -58,13 +46,18 @@ class RankActor:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         return host, port
 
-    def init(self, host: str, port: int) -> object:
+    def rank_config(self) -> EngineConfig:
+        """The configuration this rank starts from (the engine's)."""
+        return self.cfg
+
+    def init(self, host: str, port: int) -> RankInfo:
         if host == "127.0.0.1":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch
         import torch.distributed as dist
 
         from service.model.parallel import TPGroup
+        from service.ranks.startup import set_up_rank
         from service.ranks.worker import RankWorker
 
         use_cuda = self.cfg.device != "cpu" and torch.cuda.is_available()
@@ -79,22 +72,19 @@ class RankActor:
             timeout=timeout,
             device_id=torch.device("cuda", 0) if use_cuda else None,
         )
-        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        # control barriers wait as long as start-up may take: a peer may be compiling, or stuck
+        # in a collective until the collective timeout (which must then come back first)
+        startup = timedelta(seconds=self.cfg.startup_timeout_s)
+        self.control = dist.new_group(backend="gloo", timeout=startup)
         tp = TPGroup(self.rank, self.world_size, dist.group.WORLD)
-        self.worker = RankWorker(
-            self.cfg,
-            tp,
-            local_gpu=0,
-            max_running_requests_override=self.faults.max_running_requests,
-        )
+        self.worker = RankWorker(set_up_rank(self.rank_config(), tp, local_gpu=0))
         return self.worker.info
 
     def barrier(self) -> None:
+        """Wait for every rank, at most the start-up budget (a slow rank may be compiling)."""
         import torch.distributed as dist
 
-        dist.monitored_barrier(
-            self.control, timeout=timedelta(seconds=self.cfg.collective_timeout_s)
-        )
+        dist.monitored_barrier(self.control, timeout=timedelta(seconds=self.cfg.startup_timeout_s))
 
     # ---- start-up commands -------------------------------------------------------------------
     def local_plan(self) -> BucketPlan:
@@ -104,16 +94,18 @@ class RankActor:
         self.worker.build_runner(plan)
         return self.worker.graph_kind
 
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int):
+    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureResult:
         self.barrier()  # every rank enters the capture together ...
-        result = self.worker.capture_bucket(plan, num_tokens)
-        if num_tokens in self.faults.fail_capture_buckets and not isinstance(result, str):
-            result = f"rank {self.rank}: CaptureFaultInjected: injected failure for {num_tokens}"
-        self.barrier()  # ... and leaves it together, so graphs' collectives line up
-        return result
+        try:
+            return self.worker.capture_bucket(plan, num_tokens)
+        finally:
+            self.barrier()  # ... and leaves it together, failed or not
 
     def forget_bucket(self, num_tokens: int) -> None:
-        self.worker.runner.forget(num_tokens)
+        self.worker.forget_bucket(num_tokens)
+
+    def captured_buckets(self) -> list[int]:
+        return list(self.worker.runner.captured_buckets())
 
     # ---- run time ----------------------------------------------------------------------------
     def execute(self, cmd: ForwardCommand) -> ForwardResult:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from service.buckets import PlanError
 from service.config import (
     DEFAULT_CHUNKED_PREFILL_CPU,
     DEFAULT_CHUNKED_PREFILL_CUDA,
     DEFAULT_CONTEXT_LENGTH_CAP,
     EngineConfig,
 )
+from service.errors import ConfigError
 from service.model.arch_config import ArchConfig
 
 CPU_KV_BUDGET_BYTES = 256 << 20
@@ -20,7 +20,7 @@ CUDA_KV_FRACTION = 0.6  # of the memory free after loading weights; the rest: ac
 def resolve_device(cfg: EngineConfig, local_gpu: int = 0) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise PlanError("--device cuda was given but no CUDA device is visible")
+            raise ConfigError("--device cuda was given but no CUDA device is visible")
         return torch.device("cuda", local_gpu)
     return torch.device("cpu")
 
@@ -39,7 +39,7 @@ def resolve_context_length(cfg: EngineConfig, arch: ArchConfig) -> int:
     if cfg.context_length is None:
         return min(arch.max_position_embeddings, DEFAULT_CONTEXT_LENGTH_CAP)
     if cfg.context_length > arch.max_position_embeddings:
-        raise PlanError(
+        raise ConfigError(
             f"--context-length {cfg.context_length} exceeds the model's "
             f"max_position_embeddings {arch.max_position_embeddings}; lower --context-length"
         )

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class KVCapacityError(RuntimeError):
-    """The KV budget cannot hold what was asked; the message says which value to change."""
+from service.errors import CapacityError
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,7 @@ def resolve_max_running_requests(
     and are at least 1; a user value is kept as given.
     """
     if num_kv_tokens < context_length:
-        raise KVCapacityError(
+        raise CapacityError(
             f"the KV cache holds {num_kv_tokens} tokens, less than one request of context_length "
             f"{context_length}; raise --kv-cache-memory-bytes or lower --context-length"
         )

@@ -1,180 +1,98 @@
-"""What one tensor-parallel rank runs: its model shard, KV pools, attention and prefill runner.
+"""What one tensor-parallel rank runs at run time: plan, capture, execute.
 
-The body of a Ray actor at tp>1 and an in-process object at tp=1. It decides nothing that must
-agree across ranks: rows, slots and graph decisions arrive in each :class:`ForwardCommand`.
+The body of a Ray actor at tp>1 and an in-process object at tp=1, built from the
+:class:`~service.ranks.startup.RankSetup` of start-up. It decides nothing that must agree across
+ranks: rows, slots and graph decisions arrive in each :class:`ForwardCommand`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 
-from service.buckets import (
-    MISS_DISABLED,
-    BucketPlan,
-    PlanError,
-    ReplayDecision,
-    ResolvedRequestPool,
-    resolve_plan,
-)
-from service.commands import ForwardCommand, ForwardResult, GraphRecord
-from service.config import DEFAULT_MAX_RUNNING_REQUESTS_CAP, EngineConfig, GraphConfig
-from service.model.arch_config import load_arch_config
-from service.model.builtin import builtin_model_dir
-from service.model.loader import build_model
-from service.model.parallel import TPGroup
-from service.ranks.attention.base import AttentionBackend
-from service.ranks.attention.select import (
-    AttentionChoice,
-    choose_attention,
-    flashinfer_import_error,
-)
-from service.ranks.attention.torch_slots import TorchSlotAttention
-from service.ranks.attention.torch_varlen import TorchVarlenAttention
-from service.ranks.device import (
-    resolve_chunked_prefill,
-    resolve_context_length,
-    resolve_device,
-    resolve_dtype,
-    resolve_kv_budget,
-)
+from service.buckets import MISS_DISABLED, BucketPlan, ReplayDecision, ResolvedRequestPool
+from service.capture_result import CaptureFailure, CaptureResult
+from service.commands import ForwardCommand, ForwardResult, GraphKind, GraphRecord
+from service.errors import RankFailure
+from service.rank_info import RankInfo
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
-from service.ranks.kv_pool import (
-    KVLayout,
-    ReqToTokenPool,
-    TokenKVPool,
-    kv_slots_for_budget,
-    resolve_max_running_requests,
-)
-from service.ranks.runners.base import CaptureFailed, CaptureStat, PrefillRunner
+from service.ranks.runners.base import PrefillRunner
 from service.ranks.runners.eager import EagerRunner
+from service.ranks.runners.registry import make_runner
 from service.ranks.sampler import sample
+from service.ranks.startup import RankSetup
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    """What a rank resolved at start-up; the coordinator agrees across ranks from these."""
-
-    rank: int
-    device: str
-    dtype: str
-    context_length: int
-    max_running_requests: int
-    num_kv_slots: int
-    chunked_prefill_size: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    model_dir: str
-    architecture: str
-    attention: AttentionChoice
+# what torch.distributed's backends say when a collective times out or a peer went away
+_COLLECTIVE_ERRORS = ("gloo", "NCCL", "Timed out waiting", "Connection closed by peer")
 
 
-def model_dir_of(cfg: EngineConfig) -> Path:
-    return Path(cfg.model_path) if cfg.model_path else builtin_model_dir()
+def is_collective_error(exc: BaseException) -> bool:
+    return isinstance(exc, torch.distributed.DistError) or any(
+        s in str(exc) for s in _COLLECTIVE_ERRORS
+    )
+
+
+def capture_failure(
+    exc: BaseException,
+    rank: int,
+    num_tokens: int,
+    check_device: Callable[[], None],
+    world_size: int = 1,
+) -> CaptureFailure:
+    """A failed capture drops its bucket, whatever it raised, unless it left the device unusable.
+
+    ``check_device`` synchronizes the device: if that fails too (an illegal memory access or a
+    device-side assert poisons the CUDA context for good), this rank cannot run anything any
+    more, and the capture's own message, the first one, is what the operator needs to read.
+    A collective that failed inside the capture (a peer failed before reaching it) marks the
+    failure ``desync``: the coordinator then fails start-up instead of dropping the bucket.
+    """
+    try:
+        check_device()
+    except Exception as poisoned:
+        raise RankFailure(
+            f"rank {rank}: the device is unusable after capturing bucket {num_tokens}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from poisoned
+    return CaptureFailure(
+        num_tokens,
+        rank,
+        type(exc).__name__,
+        str(exc).splitlines()[0][:500],
+        desync=world_size > 1 and is_collective_error(exc),
+    )
 
 
 class RankWorker:
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        tp: TPGroup | None = None,
-        local_gpu: int = 0,
-        max_running_requests_override: int | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.tp = tp or TPGroup()
-        self.model_dir = model_dir_of(cfg)
-        arch = load_arch_config(self.model_dir)
-        self.device = resolve_device(cfg, local_gpu)
-        self.dtype = resolve_dtype(cfg, arch, self.device)
-        self.context_length = resolve_context_length(cfg, arch)
-        self.chunked_prefill_size = resolve_chunked_prefill(cfg, self.device)
-        self.model = build_model(
-            self.model_dir,
-            tp=self.tp,
-            max_positions=max(self.context_length, 1),
-            dtype=self.dtype,
-            device=self.device,
-            load_format=cfg.load_format,
-            seed=cfg.seed,
-            cfg=arch,
-        )
-        layout = KVLayout(
-            num_layers=arch.num_hidden_layers,
-            num_kv_heads=self.model.layers[0].self_attn.num_kv_heads,
-            head_dim=arch.head_dim,
-            dtype=self.dtype,
-        )
-        num_slots = kv_slots_for_budget(layout, resolve_kv_budget(cfg, self.device))
-        user_pool = max_running_requests_override or cfg.max_running_requests
-        self.max_running_requests = resolve_max_running_requests(
-            user_pool, num_slots, self.context_length, DEFAULT_MAX_RUNNING_REQUESTS_CAP
-        )
-        self.kv = TokenKVPool(layout, num_slots, self.device)
-        self.req_to_token = ReqToTokenPool(
-            self.max_running_requests, self.context_length, self.device
-        )
-        self.attention = choose_attention(
-            cfg.attention_backend,
-            self.device.type,
-            str(self.dtype).removeprefix("torch."),
-            arch.head_dim,
-            flashinfer_import_error()
-            if self.device.type == "cuda" and cfg.attention_backend != "torch"
-            else None,
-        )
-        log.info("Attention backend: %s (%s)", self.attention.name, self.attention.reason)
-        self.eager_attention, self.graph_attention = self._attention_backends(cfg)
-        self.eager_runner = EagerRunner(self.model, self.eager_attention)
+    def __init__(self, setup: RankSetup) -> None:
+        self.setup = setup
+        self.model = setup.model
+        self.device = setup.device
+        self.req_to_token = setup.req_to_token
+        self.kv = setup.kv
+        self.eager_runner = EagerRunner(self.model, setup.eager_attention)
         self.runner: PrefillRunner = self.eager_runner
-        self.info = RankInfo(
-            rank=self.tp.rank,
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
-            context_length=self.context_length,
-            max_running_requests=self.max_running_requests,
-            num_kv_slots=num_slots,
-            chunked_prefill_size=self.chunked_prefill_size,
-            vocab_size=arch.vocab_size,
-            eos_token_ids=arch.eos_token_ids,
-            model_dir=str(self.model_dir),
-            architecture=arch.architecture,
-            attention=self.attention,
-        )
 
-    def _attention_backends(self, cfg: EngineConfig) -> tuple[AttentionBackend, AttentionBackend]:
-        """(eager attention, graph-safe attention of the ``full`` backend) for the choice."""
-        args = (self.model.registry, self.kv, self.req_to_token)
-        if self.attention.name == "flashinfer":
-            from service.ranks.attention.flashinfer_backend import (
-                FlashInferAttention,
-                FlashInferGraphAttention,
-            )
+    @property
+    def info(self) -> RankInfo:
+        return self.setup.info
 
-            eager = FlashInferAttention(*args, kernel=cfg.flashinfer_kernel)
-            graph = FlashInferGraphAttention(
-                *args, kernel=cfg.flashinfer_kernel, workspace=eager.workspace
-            )
-            return eager, graph
-        return TorchVarlenAttention(*args), TorchSlotAttention(*args)
+    @property
+    def rank(self) -> int:
+        return self.setup.tp.rank
 
     # ---- start-up: buckets -----------------------------------------------------------------
-    def resolve_local_plan(self, graph: GraphConfig | None = None) -> BucketPlan:
+    def resolve_local_plan(self) -> BucketPlan:
         """This rank's legal bucket set, from its own resolved request pool."""
-        g = graph or self.cfg.graph
-        return resolve_plan(
-            backend=g.backend,
-            context_length=self.context_length,
-            pool=ResolvedRequestPool(self.max_running_requests),
-            max_prefill_tokens=self.chunked_prefill_size,
-            buckets=g.buckets,
-            full_request_slots=g.full_request_slots,
-            max_padding_fraction=g.max_padding_fraction,
+        return self.setup.cfg.graph.plan(
+            context_length=self.info.context_length,
+            pool=ResolvedRequestPool(self.info.max_running_requests),
+            max_prefill_tokens=self.info.chunked_prefill_size,
         )
 
     def build_runner(self, plan: BucketPlan) -> None:
@@ -182,21 +100,29 @@ class RankWorker:
         if not plan.enabled:
             self.runner = self.eager_runner
             return
-        from service.ranks.runners.registry import make_runner
-
-        self.runner = make_runner(plan, self)
+        s = self.setup
+        self.runner = make_runner(plan, s.model, s.eager_attention, s.graph_attention, s.device)
 
     @torch.inference_mode()
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureStat | str:
-        """Capture one bucket; a failure is returned as its reason (the coordinator drops it)."""
+    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureResult:
+        """Capture one bucket; any failure comes back as a :class:`CaptureFailure` (the
+        coordinator drops the bucket on every rank), or as :class:`RankFailure` when the device
+        is unusable afterwards."""
         try:
-            stat = self.runner.capture_bucket(plan, num_tokens)
-        except (CaptureFailed, RuntimeError, PlanError) as exc:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
-            return f"rank {self.tp.rank}: {type(exc).__name__}: {exc}"
-        return stat
+            return self.runner.capture_bucket(plan, num_tokens)
+        except Exception as exc:
+            log.warning("Capture of bucket %d failed: %s: %s", num_tokens, type(exc).__name__, exc)
+            return capture_failure(
+                exc, self.rank, num_tokens, self._check_device, self.setup.tp.world_size
+            )
+
+    def _check_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def forget_bucket(self, num_tokens: int) -> None:
+        self.runner.forget(num_tokens)
 
     # ---- run time ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -216,8 +142,8 @@ class RankWorker:
         if cmd.is_prefill:
             decision = cmd.decision or ReplayDecision.miss(MISS_DISABLED)
             if decision.hit and not self.runner.can_replay(decision):
-                raise PlanError(
-                    f"rank {self.tp.rank} was told to replay bucket {decision.bucket}, which it "
+                raise RankFailure(
+                    f"rank {self.rank} was told to replay bucket {decision.bucket}, which it "
                     f"has not captured ({list(self.runner.captured_buckets())})"
                 )
             runner = self.runner if decision.hit else self.eager_runner
@@ -237,7 +163,7 @@ class RankWorker:
         )
 
     @property
-    def graph_kind(self):
+    def graph_kind(self) -> GraphKind | None:
         return self.runner.graph_kind
 
     def kv_snapshot(self) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from contextvars import ContextVar
 
 import torch
 
-from service.ranks.attention.base import AttentionFn, AttentionKey
+from service.model.attention import AttentionFn, AttentionKey
 
 OP_NAME = "capture_service::attention"
 _current: ContextVar[AttentionFn | None] = ContextVar("capture_service_attention", default=None)
@@ -24,10 +24,7 @@ _current: ContextVar[AttentionFn | None] = ContextVar("capture_service_attention
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str
 ) -> torch.Tensor:
-    attend = _current.get()
-    if attend is None:
-        raise RuntimeError("capture_service::attention called outside attention_context")
-    out = attend(q, k, v, AttentionKey(layer_id, variant))
+    out = direct_attention(q, k, v, layer_id, variant)
     # a custom op's output may not alias its inputs; backends return fresh tensors, so the
     # copy is only for one that hands back a view of q, k or v
     aliases = any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
@@ -52,3 +49,13 @@ def attention_context(attend: AttentionFn) -> Iterator[None]:
 def op_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
     """The AttentionFn a compiled forward calls: the custom op."""
     return torch.ops.capture_service.attention(q, k, v, key.layer_id, key.variant)
+
+
+def direct_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str
+) -> torch.Tensor:
+    """What the op does, called without the dispatcher (split graphs call it at replay)."""
+    attend = _current.get()
+    if attend is None:
+        raise RuntimeError("capture_service::attention called outside attention_context")
+    return attend(q, k, v, AttentionKey(layer_id, variant))

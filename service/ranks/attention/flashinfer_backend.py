@@ -25,13 +25,8 @@ from typing import Any
 
 import torch
 
-from service.ranks.attention.base import (
-    AttentionBackend,
-    AttentionFn,
-    AttentionKey,
-    AttentionRegistry,
-    AttentionSpec,
-)
+from service.model.attention import AttentionFn, AttentionKey, AttentionRegistry, AttentionSpec
+from service.ranks.attention.base import AttentionBackend
 from service.ranks.attention.paged_layout import PagedLayout, indptr, paged_layout
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool

@@ -8,22 +8,12 @@ An explicit ``flashinfer`` that cannot run is an error that names the missing pi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from service.buckets import PlanError
+from service.errors import ConfigError
+from service.rank_info import AttentionChoice
 
 # FlashInfer's prefill/decode templates are instantiated for these head dims (FA2 and FA3)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_DTYPES = ("float16", "bfloat16")
-
-
-@dataclass(frozen=True)
-class AttentionChoice:
-    name: str  # "flashinfer" | "torch"
-    reason: str  # one line: why this backend
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "reason": self.reason}
 
 
 def flashinfer_blocker(
@@ -49,13 +39,13 @@ def choose_attention(
     blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error)
     if requested == "flashinfer":
         if blocker is not None:
-            raise PlanError(
+            raise ConfigError(
                 f"--attention-backend flashinfer cannot run here: {blocker}; "
                 "use --attention-backend auto or torch"
             )
         return AttentionChoice("flashinfer", "asked for (--attention-backend flashinfer)")
     if requested != "auto":
-        raise PlanError(f"unsupported attention backend {requested!r}")
+        raise ConfigError(f"unsupported attention backend {requested!r}")
     if blocker is None:
         return AttentionChoice("flashinfer", "auto: CUDA, FlashInfer installed, shapes supported")
     return AttentionChoice("torch", f"auto: {blocker}")

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from service.ranks.attention.base import AttentionBackend, AttentionFn, AttentionKey
+from service.model.attention import AttentionFn, AttentionKey
+from service.ranks.attention.base import AttentionBackend
 from service.ranks.forward_batch import ForwardBatch
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from service.ranks.attention.base import AttentionBackend, AttentionKey
+from service.model.attention import AttentionKey
+from service.ranks.attention.base import AttentionBackend
 from service.ranks.forward_batch import ForwardBatch
 
 

@@ -7,33 +7,14 @@ worker never branches on the backend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
 from service.buckets import BucketPlan, ReplayDecision
+from service.capture_result import CaptureStat
 from service.commands import GraphKind
+from service.errors import CaptureFailed
 from service.ranks.forward_batch import ForwardBatch
-
-
-@dataclass(frozen=True)
-class CaptureStat:
-    """Per-bucket capture cost on one rank."""
-
-    num_tokens: int
-    seconds: float
-    memory_bytes: int  # device memory the bucket's graphs added (0 on CPU)
-
-    def to_json(self) -> dict:
-        return {
-            "num_tokens": self.num_tokens,
-            "seconds": round(self.seconds, 4),
-            "memory_bytes": self.memory_bytes,
-        }
-
-
-class CaptureFailed(RuntimeError):
-    """A bucket could not be captured on this rank (out of memory, a kernel error)."""
 
 
 class PrefillRunner(ABC):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from service.ranks.attention.base import AttentionFn
+from service.model.attention import AttentionFn
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
@@ -88,6 +88,9 @@ class BreakableGraphRunner(GraphRunner):
                 self._attend(i - 1, bucket, attend)
             captured.append(CapturedCall(fn, self.device, self.pool, self.stream))
         return captured
+
+    def captured_calls(self, bucket: int) -> list[CapturedCall]:
+        return list(self._captured[bucket])
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)

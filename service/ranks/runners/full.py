@@ -42,6 +42,9 @@ class FullGraphRunner(GraphRunner):
         self.graph_attention.prepare(view, bucket)
         return captured.replay()
 
+    def captured_calls(self, bucket: int) -> list[CapturedCall]:
+        return [self._captured[bucket]]
+
     def forget(self, num_tokens: int) -> None:
         super().forget(num_tokens)
         self.graph_attention.forget(num_tokens)

@@ -9,12 +9,14 @@ from typing import Any
 import torch
 
 from service.buckets import BucketPlan, ReplayDecision
+from service.capture_result import CaptureStat
 from service.commands import GraphKind
+from service.errors import CaptureFailed
 from service.model.llama import CausalLM
 from service.ranks.attention.base import AttentionBackend
 from service.ranks.forward_batch import ForwardBatch
-from service.ranks.runners.base import CaptureFailed, CaptureStat, PrefillRunner
-from service.ranks.runners.graph_capture import device_memory_used
+from service.ranks.runners.base import PrefillRunner
+from service.ranks.runners.graph_capture import CapturedCall, device_memory_used
 from service.ranks.runners.static_buffers import PrefillStaticBuffers
 
 
@@ -51,6 +53,10 @@ class GraphRunner(PrefillRunner):
 
     def captured_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(self._captured))
+
+    @abstractmethod
+    def captured_calls(self, bucket: int) -> list[CapturedCall]:
+        """The graphs a replay of ``bucket`` runs, in order."""
 
     def forget(self, num_tokens: int) -> None:
         self._captured.pop(num_tokens, None)

@@ -1,8 +1,18 @@
-"""One captured call: a real CUDA graph on CUDA, static-buffer re-execution on CPU.
+"""One captured call: a real CUDA graph on CUDA, a traced and frozen FX graph on CPU.
 
-On CPU there is no graph object; ``replay`` runs the same function over the same static
-buffers, so everything except the graph itself (synthetic batches, buffers, warm-up, padding,
-slicing) is exercised by the CPU tests. The runner reports the kind honestly ("cpu").
+On CUDA, ``fn`` is warmed up on a side stream and captured into a graph; ``replay`` relaunches
+the recorded kernels, and the outputs are the tensors the capture allocated, overwritten by
+every replay.
+
+On CPU there is no graph object, so the same contract is built from a trace: ``fn`` is warmed up,
+then its aten ops are recorded once (:mod:`service.ranks.runners.op_trace`). Tensors ``fn`` reads
+from its closure (static buffers, parameters, the KV pool) enter the trace by reference, so a
+replay reads whatever was copied into them; host-side Python (branches on shapes, lengths read on
+the host, attribute lookups, the model's own methods) ran once, at capture, and is frozen into
+the trace exactly as a CUDA graph freezes it. A replay runs the trace and writes its results into
+the outputs that capture allocated, and returns those, so a caller that kept a previous result
+sees it overwritten, as with a CUDA graph. ``replays`` counts replays, so tests can prove a
+prefill went through the captured call and not around it.
 """
 
 from __future__ import annotations
@@ -11,6 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
+
+from service.ranks.runners.op_trace import OpTrace, record
 
 NUM_WARMUP = 2
 
@@ -23,8 +36,9 @@ class CapturedCall:
         pool: Any = None,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        self.fn = fn
+        self.replays = 0
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.traced: OpTrace | None = None
         if device.type == "cuda":
             stream = stream or torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -38,18 +52,24 @@ class CapturedCall:
                 self.out = fn()
             torch.cuda.synchronize(device)
         else:
-            fn()  # warm-up
-            self.out = fn()
+            fn()  # warm-up: compiles what is compiled, builds what is built lazily
+            self.traced, self.out = record(fn)
 
     @property
     def is_cuda_graph(self) -> bool:
         return self.graph is not None
 
     def replay(self) -> Any:
+        self.replays += 1
         if self.graph is not None:
             self.graph.replay()
             return self.out
-        return self.fn()
+        assert self.traced is not None
+        fresh = pytree.tree_leaves(self.traced())
+        for dst, src in zip(pytree.tree_leaves(self.out), fresh, strict=True):
+            if isinstance(dst, torch.Tensor) and dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
+        return self.out
 
 
 def device_memory_used(device: torch.device) -> int:

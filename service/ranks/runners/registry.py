@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import torch
 
-from service.buckets import GRAPH_BACKENDS, BucketPlan, PlanError
+from service.buckets import GRAPH_BACKENDS, BucketPlan
+from service.errors import PlanError
+from service.model.llama import CausalLM
+from service.ranks.attention.base import AttentionBackend
 from service.ranks.runners.base import PrefillRunner
 
-if TYPE_CHECKING:
-    from service.ranks.worker import RankWorker
 
-
-def make_runner(plan: BucketPlan, worker: RankWorker) -> PrefillRunner:
+def make_runner(
+    plan: BucketPlan,
+    model: CausalLM,
+    eager_attention: AttentionBackend,
+    graph_attention: AttentionBackend,
+    device: torch.device,
+) -> PrefillRunner:
     from service.ranks.runners.breakable import BreakableGraphRunner
     from service.ranks.runners.full import FullGraphRunner
     from service.ranks.runners.tc_piecewise import TcPiecewiseGraphRunner
@@ -25,6 +31,4 @@ def make_runner(plan: BucketPlan, worker: RankWorker) -> PrefillRunner:
         raise PlanError(
             f"unsupported prefill graph backend {plan.backend!r}; supported: {list(GRAPH_BACKENDS)}"
         )
-    return runners[plan.backend](
-        plan, worker.model, worker.eager_attention, worker.graph_attention, worker.device
-    )
+    return runners[plan.backend](plan, model, eager_attention, graph_attention, device)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.memory import PADDING_SLOT
+from service.padding import PADDING_SLOT
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 
 

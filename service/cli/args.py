@@ -1,26 +1,19 @@
-"""`capture-service` command line: plan, generate, serve.
-
-Heavy modules (torch, ray, fastapi) are imported inside the subcommand that needs them, so
-`capture-service plan` starts in milliseconds on a machine without torch.
-"""
+"""Command-line arguments shared by the subcommands, and their mapping to the frozen configs."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-from collections.abc import Sequence
 
-from service.buckets import (
-    PREFILL_BACKENDS,
-    BucketPlan,
-    PlanError,
-    ResolvedRequestPool,
-    parse_bucket_values,
-    resolve_plan,
+from service.buckets import PREFILL_BACKENDS, parse_bucket_values
+from service.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_STEP_TIMEOUT_S,
+    FLASHINFER_KERNELS,
+    EngineConfig,
+    GraphConfig,
 )
-from service.config import ATTENTION_BACKENDS, FLASHINFER_KERNELS
+from service.errors import PlanError
 
 PLAN_DEFAULT_CONTEXT_LENGTH = 2048
 PLAN_DEFAULT_MAX_RUNNING_REQUESTS = 8
@@ -34,6 +27,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
     return value
 
 
@@ -137,100 +140,48 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         help="ray: a Ray actor per rank; local: one rank in this process; auto: Ray for --tp > 1"
         f" (default: {default_executor})",
     )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="capture-service",
-        description="Multi-rank prefill CUDA-graph capture service",
+    p.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=DEFAULT_STARTUP_TIMEOUT_S,
+        help="seconds every rank may take to load, plan and capture "
+        f"(default {DEFAULT_STARTUP_TIMEOUT_S:g})",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    plan = sub.add_parser("plan", help="print the resolved prefill bucket plan")
-    add_graph_arguments(plan, for_plan=True)
-    plan.add_argument("--json", action="store_true", help="print one JSON object")
-
-    gen = sub.add_parser("generate", help="generate from token ids with the engine")
-    add_engine_arguments(gen)
-    gen.add_argument(
-        "--prompt-ids",
-        action="append",
-        required=True,
-        help="comma-separated token ids of one prompt; repeat for several prompts",
+    p.add_argument(
+        "--step-timeout",
+        type=positive_float,
+        default=DEFAULT_STEP_TIMEOUT_S,
+        help="seconds one forward may take on every rank before the engine is declared hung "
+        f"(default {DEFAULT_STEP_TIMEOUT_S:g})",
     )
-    gen.add_argument("--max-new-tokens", type=positive_int, default=16)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--json", action="store_true")
-
-    serve = sub.add_parser("serve", help="serve the HTTP API")
-    add_engine_arguments(serve, default_executor="ray")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("CAPTURE_SERVICE_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' on /generate (default: $CAPTURE_SERVICE_API_KEY)",
-    )
-    serve.add_argument("--max-queued-requests", type=positive_int, default=256)
-    serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)
-    return parser
 
 
-def format_plan(plan: BucketPlan) -> str:
-    lines = [
-        f"backend: {plan.backend}",
-        f"context_length: {plan.context_length}",
-        f"capture_request_capacity: {plan.capture_request_capacity}",
-        f"max_capture_tokens: {plan.max_capture_tokens}",
-        "",
-        f"{'bucket':>8}  {'requests':>8}  capture_seq_lens",
-    ]
-    for b in plan.buckets:
-        lens = ",".join(str(n) for n in b.capture_seq_lens)
-        lines.append(f"{b.num_tokens:>8}  {b.num_synthetic_requests:>8}  [{lens}]")
-    if not plan.buckets:
-        lines.append("    (none)")
-    if plan.dropped:
-        lines += ["", "dropped:"]
-        lines += [f"{d.num_tokens:>8}  {d.reason}" for d in plan.dropped]
-    if plan.disabled_reason:
-        lines += ["", f"disabled: {plan.disabled_reason}"]
-    return "\n".join(lines)
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    plan = resolve_plan(
+def graph_config_from_args(args: argparse.Namespace) -> GraphConfig:
+    return GraphConfig(
         backend=args.backend,
-        context_length=args.context_length,
-        pool=ResolvedRequestPool(args.max_running_requests),
-        max_prefill_tokens=args.chunked_prefill_size,
         buckets=args.prefill_buckets,
         full_request_slots=args.full_request_slots,
         max_padding_fraction=args.max_padding_fraction,
     )
-    print(json.dumps(plan.to_json()) if args.json else format_plan(plan))
-    return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "plan":
-            return run_plan(args)
-        if args.command == "generate":
-            from service.generate_cli import run_generate
-
-            return run_generate(args)
-        if args.command == "serve":
-            from service.api.serve import run_serve
-
-            return run_serve(args)
-    except PlanError as exc:
-        parser.exit(2, f"capture-service {args.command}: error: {exc}\n")
-    parser.error(f"unknown command {args.command}")
-    return 2
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model_path=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        tp=args.tp,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        graph=graph_config_from_args(args),
+        seed=args.seed,
+        ray_address=args.ray_address,
+        executor=args.executor,
+        startup_timeout_s=args.startup_timeout,
+        step_timeout_s=args.step_timeout,
+        attention_backend=args.attention_backend,
+        flashinfer_kernel=args.flashinfer_kernel,
+    )

@@ -6,34 +6,9 @@ import argparse
 import json
 import logging
 
-from service.buckets import PlanError
-from service.config import EngineConfig, GraphConfig
+from service.cli.args import engine_config_from_args
+from service.errors import ConfigError
 from service.sampling import SamplingParams
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model_path=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        tp=args.tp,
-        context_length=args.context_length,
-        max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        graph=GraphConfig(
-            backend=args.backend,
-            buckets=args.prefill_buckets,
-            full_request_slots=args.full_request_slots,
-            max_padding_fraction=args.max_padding_fraction,
-        ),
-        seed=args.seed,
-        ray_address=args.ray_address,
-        executor=args.executor,
-        attention_backend=args.attention_backend,
-        flashinfer_kernel=args.flashinfer_kernel,
-    )
 
 
 def parse_prompt_ids(values: list[str]) -> list[list[int]]:
@@ -42,7 +17,7 @@ def parse_prompt_ids(values: list[str]) -> list[list[int]]:
         try:
             prompts.append([int(t) for t in text.split(",") if t.strip()])
         except ValueError:
-            raise PlanError(
+            raise ConfigError(
                 f"--prompt-ids {text!r} is not a comma-separated list of token ids"
             ) from None
     return prompts
@@ -53,19 +28,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     setup_logging(logging.WARNING if args.json else logging.INFO)
     from service.engine import Engine
-    from service.model.arch_config import CheckpointError
-    from service.scheduler import RequestError
 
     prompts = parse_prompt_ids(args.prompt_ids)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
-    try:
-        engine = Engine(engine_config_from_args(args))
-    except CheckpointError as exc:
-        raise PlanError(str(exc)) from None
+    engine = Engine(engine_config_from_args(args))
     try:
         outputs = engine.generate(prompts, sampling)
-    except RequestError as exc:
-        raise PlanError(str(exc)) from None
     finally:
         engine.shutdown()
     if args.json:
@@ -76,7 +44,7 @@ def run_generate(args: argparse.Namespace) -> int:
                         {"output_ids": o.output_ids, "text": o.text, "meta_info": o.meta_info}
                         for o in outputs
                     ],
-                    "attention_backend": engine.resolved.attention,
+                    "attention_backend": engine.resolved.limits.attention.to_json(),
                     "prefill_backend": engine.resolved.plan.backend,
                     "buckets": list(engine.resolved.plan.bucket_sizes),
                 }

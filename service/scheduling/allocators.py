@@ -7,7 +7,7 @@ places in the same order.
 
 from __future__ import annotations
 
-PADDING_SLOT = 0  # reserved: padded tokens write here, never a live request
+from service.padding import PADDING_SLOT
 
 
 class RowAllocator:

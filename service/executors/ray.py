@@ -15,10 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from service.buckets import BucketPlan
+from service.capture_result import CaptureFailure, CaptureResult
 from service.commands import ForwardCommand, ForwardResult
 from service.config import EngineConfig
-from service.executor import Executor, RankFailure
-from service.ranks.actor import RankActor, RankFaults
+from service.errors import RankFailure
+from service.executors.base import Executor
+from service.rank_info import RankInfo
+from service.ranks.actor import RankActor
 
 log = logging.getLogger("service.ray")
 
@@ -33,8 +36,9 @@ def ensure_ray(address: str | None) -> bool:
 
     if ray.is_initialized():
         return False
-    if address is None:  # a local instance on loopback only
+    if address is None:  # a new local instance on loopback only, never a recorded cluster
         ray.init(
+            address="local",
             include_dashboard=False,
             log_to_driver=True,
             logging_level=logging.WARNING,
@@ -48,14 +52,16 @@ def ensure_ray(address: str | None) -> bool:
 class RayExecutor(Executor):
     kind = "ray"
 
-    def __init__(self, cfg: EngineConfig, faults: dict[int, RankFaults] | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, actor_cls: type[RankActor] = RankActor) -> None:
+        """``actor_cls`` is what each rank runs (tests pass a subclass that injects faults)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._owns_ray = ensure_ray(cfg.ray_address)
         self.cfg = cfg
-        self.timeout = cfg.collective_timeout_s
+        self.startup_timeout = cfg.startup_timeout_s  # load, plan, capture
+        self.step_timeout = cfg.step_timeout_s  # one forward on every rank
         self._dead: str | None = None
         self._lock = threading.Lock()
         gpus = ray.cluster_resources().get("GPU", 0)
@@ -68,15 +74,15 @@ class RayExecutor(Executor):
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self.pg = placement_group([dict(bundle) for _ in range(cfg.tp)], strategy="PACK")
         try:
-            ray.get(self.pg.ready(), timeout=self.timeout)
+            ray.get(self.pg.ready(), timeout=self.startup_timeout)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self.pg)
             raise RankFailure(
-                f"Ray could not place {cfg.tp} ranks of {bundle} within {self.timeout:.0f} s; "
+                f"Ray could not place {cfg.tp} ranks of {bundle} within "
+                f"{self.startup_timeout:.0f} s; "
                 f"cluster resources: {ray.cluster_resources()}"
             ) from None
-        remote = ray.remote(RankActor)
-        faults = faults or {}
+        remote = ray.remote(actor_cls)
         self.actors = [
             remote.options(
                 num_cpus=1,
@@ -85,28 +91,28 @@ class RayExecutor(Executor):
                     placement_group=self.pg, placement_group_bundle_index=rank
                 ),
                 max_concurrency=2,  # ping answers while a forward runs
-            ).remote(cfg, rank, cfg.tp, faults.get(rank, RankFaults()))
+            ).remote(cfg, rank, cfg.tp)
             for rank in range(cfg.tp)
         ]
         host, port = self._get_one(self.actors[0].free_address.remote(cfg.ray_address is None))
         log.info("Ranks rendezvous at %s:%d (tp %d, %s)", host, port, cfg.tp, bundle)
-        self._infos = self._all(lambda a: a.init.remote(host, port))
+        self._infos: list[RankInfo] = self._all(lambda a: a.init.remote(host, port))
         self._graph_kind: str | None = None
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _get_one(self, ref: Any) -> Any:
-        return self._wait([ref])[0]
+        return self._wait([ref], self.startup_timeout)[0]
 
-    def _all(self, call) -> list:
-        return self._wait([call(a) for a in self.actors])
+    def _all(self, call, timeout: float | None = None) -> list:
+        return self._wait([call(a) for a in self.actors], timeout or self.startup_timeout)
 
-    def _wait(self, refs: Sequence[Any]) -> list:
+    def _wait(self, refs: Sequence[Any], timeout: float) -> list:
         """All results, or RankFailure as soon as any rank fails or the deadline passes."""
         import ray
 
         if self._dead:
             raise RankFailure(self._dead)
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         pending = list(refs)
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
@@ -117,7 +123,8 @@ class RayExecutor(Executor):
                     self._mark_dead(self._diagnose(refs.index(ref), exc))
                     raise RankFailure(self._dead) from exc
             if pending and time.monotonic() > deadline:
-                self._mark_dead(f"ranks did not answer within {self.timeout:.0f} s")
+                late = [r for r, ref in enumerate(refs) if ref in pending]
+                self._mark_dead(f"ranks {late} did not answer within {timeout:.0f} s")
                 raise RankFailure(self._dead)
         return ray.get(list(refs))
 
@@ -148,7 +155,7 @@ class RayExecutor(Executor):
                 log.error("Engine unhealthy: %s", self._dead)
 
     # ---- Executor ----------------------------------------------------------------------------
-    def infos(self) -> list:
+    def infos(self) -> list[RankInfo]:
         return self._infos
 
     def local_plans(self) -> list[BucketPlan]:
@@ -158,14 +165,14 @@ class RayExecutor(Executor):
         kinds = self._all(lambda a: a.build_runner.remote(plan))
         self._graph_kind = kinds[0]
 
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> list:
+    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> list[CaptureResult]:
         results = self._all(lambda a: a.capture_bucket.remote(plan, num_tokens))
-        if any(isinstance(r, str) for r in results):
+        if any(isinstance(r, CaptureFailure) for r in results):
             self._all(lambda a: a.forget_bucket.remote(num_tokens))  # dropped on every rank
         return results
 
     def execute(self, cmd: ForwardCommand) -> ForwardResult:
-        return self._all(lambda a: a.execute.remote(cmd))[0]
+        return self._all(lambda a: a.execute.remote(cmd), self.step_timeout)[0]
 
     def graph_kind(self) -> str | None:
         return self._graph_kind

@@ -12,41 +12,14 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from service.buckets import BucketPlan, decide_replay
-from service.commands import ForwardCommand, ForwardResult, GraphRecord, RowWrite
-from service.memory import RowAllocator, SlotAllocator
+from service.commands import ForwardCommand, ForwardResult, RowWrite
+from service.errors import RequestError
 from service.sampling import SamplingParams
-
-
-class RequestError(ValueError):
-    """A request that can never run; the message says what to change."""
-
-
-@dataclass
-class Request:
-    rid: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    row: int | None = None
-    slots: list[int] = field(default_factory=list)  # KV slots of the tokens in the cache
-    num_prefilled: int = 0
-    finish_reason: dict | None = None
-    prefill_records: list[GraphRecord] = field(default_factory=list)
-    created_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def num_cached(self) -> int:
-        return len(self.slots)
+from service.scheduling.allocators import RowAllocator, SlotAllocator
+from service.scheduling.request import FinishReason, Request
 
 
 @dataclass(frozen=True)
@@ -183,11 +156,11 @@ class Scheduler:
         locs: list[int] = []
         for req in list(self.running):
             if req.num_cached >= self.context_length:
-                self._finish(req, {"type": "length", "length": len(req.output_ids)})
+                self._finish(req, FinishReason.at_length(len(req.output_ids)))
                 continue
             slots = self.slots.alloc(1)
             if slots is None:
-                self._finish(req, {"type": "abort", "message": "KV cache is full; lower the load"})
+                self._finish(req, FinishReason.abort("KV cache is full; lower the load"))
                 continue
             writes.append(RowWrite(req.row, req.num_cached, tuple(slots)))
             req.slots += slots
@@ -244,12 +217,12 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if not r.finished)
         return done
 
-    def _finish_reason(self, req: Request, token: int) -> dict | None:
+    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.sampling
         if not p.ignore_eos and token in self.eos_token_ids:
-            return {"type": "stop", "matched": token}
+            return FinishReason.stop(token)
         if token in p.stop_token_ids:
-            return {"type": "stop", "matched": token}
+            return FinishReason.stop(token)
         if p.stop and self.detokenize is not None:
             # A stop string is checked every step, so it can only just have completed: decoding
             # a tail that covers its bytes (4 per character at most, one byte or more per
@@ -258,14 +231,14 @@ class Scheduler:
             text = self.detokenize(req.output_ids[-window:])
             for s in p.stop:
                 if s in text:
-                    return {"type": "stop", "matched": s}
+                    return FinishReason.stop(s)
         if len(req.output_ids) >= p.max_new_tokens:
-            return {"type": "length", "length": len(req.output_ids)}
+            return FinishReason.at_length(len(req.output_ids))
         if req.num_cached + 1 > self.context_length:
-            return {"type": "length", "length": len(req.output_ids)}
+            return FinishReason.at_length(len(req.output_ids))
         return None
 
-    def _finish(self, req: Request, reason: dict) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
         if req.row is not None:
@@ -279,7 +252,7 @@ class Scheduler:
         if req.finished:
             return
         req.error = message
-        self._finish(req, {"type": "abort", "message": message})
+        self._finish(req, FinishReason.abort(message))
         self.running = [r for r in self.running if r is not req]
         self.waiting = deque(r for r in self.waiting if r is not req)
 

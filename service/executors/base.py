@@ -1,0 +1,44 @@
+"""How the coordinator reaches its ranks: the interface every executor implements.
+
+Every method runs the same call on every rank, in the same order, and waits with a timeout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from service.buckets import BucketPlan
+from service.capture_result import CaptureResult
+from service.commands import ForwardCommand, ForwardResult
+from service.rank_info import RankInfo
+
+
+class Executor(ABC):
+    kind: str = "local"  # "local" (in this process) or "ray" (an actor per rank)
+
+    @abstractmethod
+    def infos(self) -> list[RankInfo]: ...
+
+    @abstractmethod
+    def local_plans(self) -> list[BucketPlan]: ...
+
+    @abstractmethod
+    def build_runners(self, plan: BucketPlan) -> None: ...
+
+    @abstractmethod
+    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> list[CaptureResult]:
+        """Capture one bucket on every rank, together; one result per rank. A bucket that failed
+        on any rank is forgotten on every rank before this returns."""
+
+    @abstractmethod
+    def execute(self, cmd: ForwardCommand) -> ForwardResult: ...
+
+    def graph_kind(self) -> str | None:
+        return None
+
+    def alive(self) -> str | None:
+        """None when every rank is alive, else the reason."""
+        return None
+
+    def shutdown(self) -> None:
+        return None

@@ -1,0 +1,65 @@
+"""What a rank resolved at start-up, and which attention kernels it runs (typed, picklable).
+
+No torch import: these travel from the ranks to the coordinator, which agrees across ranks
+(:func:`agree_rank_infos`) and keeps the result in the resolved configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from service.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    name: str  # "flashinfer" | "torch"
+    reason: str  # one line: why this backend
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank's start-up values; the coordinator agrees across ranks from these."""
+
+    rank: int
+    device: str
+    dtype: str
+    context_length: int
+    max_running_requests: int
+    num_kv_slots: int
+    chunked_prefill_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_dir: str
+    architecture: str
+    attention: AttentionChoice
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        del out["rank"]
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return out
+
+
+def agree_rank_infos(infos: list[RankInfo]) -> RankInfo:
+    """The values every rank can honour: the smallest pool, KV and chunk sizes, and rank 0's
+    model and kernels (which every rank must share)."""
+    if not infos:
+        raise ConfigError("no rank reported its start-up values")
+    first = infos[0]
+    kernels = {i.attention.name for i in infos}
+    if len(kernels) > 1:  # ranks of one model must run the same attention kernels
+        raise ConfigError(
+            "ranks chose different attention backends: "
+            + ", ".join(f"rank {i.rank}: {i.attention.name} ({i.attention.reason})" for i in infos)
+            + "; pass --attention-backend explicitly"
+        )
+    return replace(
+        first,
+        max_running_requests=min(i.max_running_requests for i in infos),
+        num_kv_slots=min(i.num_kv_slots for i in infos),
+        chunked_prefill_size=min(i.chunked_prefill_size for i in infos),
+    )

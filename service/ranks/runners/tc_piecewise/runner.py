@@ -1,0 +1,182 @@
+"""The `tc_piecewise` runner: trace once, split at attention, capture pieces per bucket.
+
+Capture: dynamo traces the forward once with a symbolic token count (attention is the opaque
+custom op ``capture_service::attention``); the traced graph is split at every attention node;
+each non-attention piece is compiled once per distinct structure (inductor on CUDA, the FX graph
+as traced on CPU, where inductor's C++ build would dominate a 2-core CI) and captured as its own
+graph for every bucket.
+
+Replay: the split graph runs directly with the arguments dynamo passed at capture (views of the
+static buffers, parameters, the bucket's size): no guard evaluation, no dynamo frame. Its pieces
+replay their captured graphs and its attention nodes call the bound attention directly, so the
+host work between two piece replays is one attention call, as in ``breakable``.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import fx
+
+from service.ranks.attention.custom_op import attention_context, op_attend
+from service.ranks.forward_batch import ForwardBatch
+from service.ranks.runners.graph_base import GraphRunner
+from service.ranks.runners.graph_capture import CapturedCall
+from service.ranks.runners.tc_piecewise.pieces import PieceGraph
+from service.ranks.runners.tc_piecewise.shared import CaptureState, SharedBuffers
+from service.ranks.runners.tc_piecewise.split import (
+    call_attention_directly,
+    is_attention_piece,
+    piece_signature,
+    run_into,
+    shareable_outputs,
+    split_at_attention,
+)
+
+PIECE_COMPILERS = ("inductor", "dynamo", "eager")
+
+
+class TcPiecewiseGraphRunner(GraphRunner):
+    name = "tc_piecewise"
+
+    def __init__(self, *args: Any, piece_compiler: str = "auto", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if piece_compiler == "auto":
+            piece_compiler = "inductor" if self.device.type == "cuda" else "eager"
+        if piece_compiler not in PIECE_COMPILERS:
+            raise ValueError(
+                f"piece_compiler must be one of {PIECE_COMPILERS}, not {piece_compiler}"
+            )
+        self.piece_compiler = piece_compiler
+        static = [self.buffers.input_ids, self.buffers.positions]
+        static += [*self.model.parameters(), *self.model.buffers()]
+        self.state = CaptureState(
+            buffers=SharedBuffers(self.buffers.max_tokens, self.device, static),
+            device=self.device,
+            pool=self.pool,
+            stream=self.stream,
+        )
+        self.num_pieces = 0
+        self.traces = 0  # dynamo traces of the forward: one unless something recompiles
+        self._compiled: Any = None
+        self._split: fx.GraphModule | None = None
+        self._split_args: dict[int, tuple] = {}  # bucket -> the split graph's arguments
+        self._pieces: list[PieceGraph] = []
+
+    @property
+    def piece_compiles(self) -> int:
+        return self.state.piece_compiles
+
+    @property
+    def pieces(self) -> list[PieceGraph]:
+        return list(self._pieces)
+
+    def piece_fn(self, sub: fx.GraphModule) -> Any:
+        """The callable a piece runs: compiled once per distinct piece structure."""
+        if self.piece_compiler == "eager":
+            return run_into(sub)
+        sig = piece_signature(sub)
+        compiled = self.state.compiled
+        if sig not in compiled:
+            # a code object per structure: dynamo caches per code object, so structures never
+            # evict each other past its recompile limit
+            base = run_into(sub)
+            code = base.__code__.replace(co_name=f"tc_piece_{len(compiled)}")
+            fn = types.FunctionType(code, base.__globals__, code.co_name, None, base.__closure__)
+            compiled[sig] = torch.compile(
+                fn, backend=self._piece_backend, dynamic=True, fullgraph=True
+            )
+        return compiled[sig]
+
+    def _piece_backend(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.state.piece_compiles += 1
+        if self.piece_compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return gm.forward  # "dynamo": traced, not compiled (CPU tests of the sharing)
+
+    def _backend(self):
+        def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
+            self.traces += 1
+            split = split_at_attention(gm)
+            shareable = shareable_outputs(split)
+            pieces = 0
+            for name, sub in list(split.named_children()):
+                if is_attention_piece(sub):
+                    call_attention_directly(sub)  # attention stays eager, called directly
+                    continue
+                fn = self.piece_fn(sub)
+                piece = PieceGraph(sub, self.state, fn, shareable[name], pieces)
+                split.register_module(name, piece)
+                self._pieces.append(piece)
+                pieces += 1
+            self.num_pieces = pieces
+            self._split = split
+
+            def run(*args: Any) -> Any:
+                if self.state.capturing:  # replays call the split graph with these directly
+                    self._split_args[self.state.bucket] = args
+                return split(*args)
+
+            return run
+
+        return backend
+
+    def _forward_code(self):
+        model = self.model
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model(input_ids, positions, op_attend)
+
+        # a code object of this runner's own: another runner's cache entries never evict it
+        code = forward.__code__.replace(co_name=f"tc_piecewise_forward_{id(self):x}")
+        fn = types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
+        return torch.compile(fn, backend=self._backend(), dynamic=None, fullgraph=True)
+
+    def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
+        for t in (ids, pos):  # one trace serves every bucket
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return ids, pos
+
+    def captured_calls(self, bucket: int) -> list[CapturedCall]:
+        return [piece.captured[bucket][1] for piece in self._pieces]
+
+    def forget(self, num_tokens: int) -> None:
+        super().forget(num_tokens)
+        self._split_args.pop(num_tokens, None)
+        for piece in self._pieces:
+            piece.captured.pop(num_tokens, None)
+
+    def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
+        real = tuple(n for n in capture_seq_lens if n > 0)
+        batch = self.buffers.load_synthetic(real, bucket, len(real))
+        first = self._compiled is None
+        if first:
+            self._compiled = self._forward_code()
+        self.state.bucket = bucket
+        with attention_context(self.eager_attention.bind(batch)):
+            if first:
+                self._compiled(*self._inputs(bucket))  # trace once; pieces learn their outputs
+            self.state.capturing = True
+            try:
+                self._compiled(*self._inputs(bucket))  # each piece warms up and is captured
+            finally:
+                self.state.capturing = False
+        if bucket not in self._split_args:
+            raise RuntimeError(f"bucket {bucket} was captured without going through the split")
+        return self._split_args[bucket]
+
+    def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
+        view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
+        self.state.bucket = bucket
+        with attention_context(self.eager_attention.bind(view)):
+            (hidden,) = _as_tuple(self._split(*captured))  # type: ignore[misc]
+        return hidden
+
+
+def _as_tuple(out: Any) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)

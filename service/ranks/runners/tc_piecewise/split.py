@@ -1,0 +1,116 @@
+"""Splitting a dynamo-traced forward at attention, and what the pieces may share.
+
+Pure FX-graph work: which nodes are attention (the opaque custom op), which outputs of a piece
+die once the next piece has run (so their buffers can be reused), which pieces compute the same
+function (so they can share one compiled callable), and a rewrite that lets the split graph call
+attention directly instead of through the dispatcher at every replay.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+from service.ranks.attention.custom_op import direct_attention
+
+_ATTENTION_TARGETS = (
+    torch.ops.capture_service.attention.default,
+    torch.ops.capture_service.attention,
+    direct_attention,
+)
+
+
+def is_attention(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _ATTENTION_TARGETS
+
+
+def is_attention_piece(sub: fx.GraphModule) -> bool:
+    return any(is_attention(n) for n in sub.graph.nodes)
+
+
+def split_at_attention(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` split into submodules: one per attention call, and the pieces between them."""
+    counter = {"part": 0}
+
+    def partition(node: fx.Node) -> int:
+        if is_attention(node):
+            counter["part"] += 1
+            part = counter["part"]
+            counter["part"] += 1
+            return part
+        return counter["part"]
+
+    return split_module(gm, None, partition, keep_original_order=True)
+
+
+def call_attention_directly(sub: fx.GraphModule) -> None:
+    """Replace the custom-op call in an attention piece by a plain Python call of the same
+    function. The op exists so that dynamo keeps attention opaque while tracing; at replay, its
+    dispatcher round trip (schema checks, the fake-tensor registration, the alias check) is pure
+    host overhead between two graph replays."""
+    for node in sub.graph.nodes:
+        if node.op == "call_function" and node.target in _ATTENTION_TARGETS[:2]:
+            node.target = direct_attention
+    sub.recompile()
+
+
+def shareable_outputs(split: fx.GraphModule) -> dict[str, list[bool]]:
+    """Per piece: which outputs are dead once the next piece has run (so buffers can be reused).
+
+    An output is shareable when every user comes before (or is) the next non-attention piece.
+    """
+    nodes = list(split.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    pieces = [
+        n for n in nodes
+        if n.op == "call_module" and not is_attention_piece(getattr(split, n.target))
+    ]  # fmt: skip
+    result: dict[str, list[bool]] = {}
+    for j, node in enumerate(pieces):
+        limit = pos[pieces[j + 1]] if j + 1 < len(pieces) else -1
+        getitems = [
+            u for u in node.users if u.op == "call_function" and u.target is operator.getitem
+        ]
+        if getitems and len(getitems) == len(node.users):
+            width = max(g.args[1] for g in getitems) + 1
+            flags = [False] * width
+            for g in getitems:
+                flags[g.args[1]] = limit >= 0 and all(pos[u] <= limit for u in g.users)
+        else:
+            flags = [limit >= 0 and all(pos[u] <= limit for u in node.users)]
+        result[node.target] = flags
+    return result
+
+
+def piece_signature(sub: fx.GraphModule) -> tuple:
+    """The piece's graph up to placeholder names. Parameters are graph inputs (dynamo lifts
+    them), so pieces of equal signature (the middle layers) compute the same function of their
+    arguments and can share one compiled callable."""
+    index: dict[fx.Node, int] = {}
+    sig = []
+    for i, node in enumerate(sub.graph.nodes):
+        index[node] = i
+        if node.op in ("get_attr", "call_module"):  # state of its own: never shared
+            return ("unshared", id(sub))
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: ("node", index[a]))
+        target = "" if node.op == "placeholder" else str(node.target)
+        sig.append((node.op, target, repr(args)))
+    return tuple(sig)
+
+
+def run_into(sub: fx.GraphModule) -> Callable:
+    """``sub``, writing its buffered outputs into the given ``outs`` (None: returned as is)."""
+
+    def run(outs: list[torch.Tensor | None], *args: object) -> object:
+        res = sub(*args)
+        flat = res if isinstance(res, (tuple, list)) else (res,)
+        for o, r in zip(outs, flat, strict=False):
+            if o is not None:
+                o.copy_(r)
+        return tuple(o if o is not None else r for o, r in zip(outs, flat, strict=False))
+
+    return run

@@ -1,0 +1,145 @@
+"""Start-up of one rank: resolve its device, model shard, KV pools and attention kernels.
+
+Returns a typed :class:`RankSetup`; the :class:`~service.ranks.worker.RankWorker` built from it
+plans, captures and executes. Nothing here must agree across ranks: each rank resolves from its
+own device and memory, and the coordinator agrees afterwards (service.rank_info).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from service.config import DEFAULT_MAX_RUNNING_REQUESTS_CAP, EngineConfig
+from service.model.arch_config import load_arch_config
+from service.model.builtin import builtin_model_dir
+from service.model.llama import CausalLM
+from service.model.loader import build_model
+from service.model.parallel import TPGroup
+from service.rank_info import AttentionChoice, RankInfo
+from service.ranks.attention.base import AttentionBackend
+from service.ranks.attention.select import choose_attention, flashinfer_import_error
+from service.ranks.device import (
+    resolve_chunked_prefill,
+    resolve_context_length,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_budget,
+)
+from service.ranks.kv_pool import (
+    KVLayout,
+    ReqToTokenPool,
+    TokenKVPool,
+    kv_slots_for_budget,
+    resolve_max_running_requests,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """Everything a rank resolved and built at start-up."""
+
+    cfg: EngineConfig
+    tp: TPGroup
+    device: torch.device
+    dtype: torch.dtype
+    model: CausalLM
+    kv: TokenKVPool
+    req_to_token: ReqToTokenPool
+    eager_attention: AttentionBackend  # attention of eager forwards and between segment replays
+    graph_attention: AttentionBackend  # graph-safe attention captured inside `full` graphs
+    info: RankInfo
+
+
+def model_dir_of(cfg: EngineConfig) -> Path:
+    return Path(cfg.model_path) if cfg.model_path else builtin_model_dir()
+
+
+def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0) -> RankSetup:
+    tp = tp or TPGroup()
+    model_dir = model_dir_of(cfg)
+    arch = load_arch_config(model_dir)
+    device = resolve_device(cfg, local_gpu)
+    dtype = resolve_dtype(cfg, arch, device)
+    context_length = resolve_context_length(cfg, arch)
+    chunked_prefill_size = resolve_chunked_prefill(cfg, device)
+    model = build_model(
+        model_dir,
+        tp=tp,
+        max_positions=max(context_length, 1),
+        dtype=dtype,
+        device=device,
+        load_format=cfg.load_format,
+        seed=cfg.seed,
+        cfg=arch,
+    )
+    layout = KVLayout(
+        num_layers=arch.num_hidden_layers,
+        num_kv_heads=model.layers[0].self_attn.num_kv_heads,
+        head_dim=arch.head_dim,
+        dtype=dtype,
+    )
+    num_slots = kv_slots_for_budget(layout, resolve_kv_budget(cfg, device))
+    max_running_requests = resolve_max_running_requests(
+        cfg.max_running_requests, num_slots, context_length, DEFAULT_MAX_RUNNING_REQUESTS_CAP
+    )
+    kv = TokenKVPool(layout, num_slots, device)
+    req_to_token = ReqToTokenPool(max_running_requests, context_length, device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    choice = choose_attention(
+        cfg.attention_backend,
+        device.type,
+        dtype_name,
+        arch.head_dim,
+        flashinfer_import_error()
+        if device.type == "cuda" and cfg.attention_backend != "torch"
+        else None,
+    )
+    log.info("Attention backend: %s (%s)", choice.name, choice.reason)
+    eager, graph = attention_backends(choice, cfg, model, kv, req_to_token)
+    info = RankInfo(
+        rank=tp.rank,
+        device=str(device),
+        dtype=dtype_name,
+        context_length=context_length,
+        max_running_requests=max_running_requests,
+        num_kv_slots=num_slots,
+        chunked_prefill_size=chunked_prefill_size,
+        vocab_size=arch.vocab_size,
+        eos_token_ids=arch.eos_token_ids,
+        model_dir=str(model_dir),
+        architecture=arch.architecture,
+        attention=choice,
+    )
+    return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, info)
+
+
+def attention_backends(
+    choice: AttentionChoice,
+    cfg: EngineConfig,
+    model: CausalLM,
+    kv: TokenKVPool,
+    req_to_token: ReqToTokenPool,
+) -> tuple[AttentionBackend, AttentionBackend]:
+    """(eager attention, graph-safe attention of the ``full`` backend) for the choice."""
+    args = (model.registry, kv, req_to_token)
+    if choice.name == "flashinfer":
+        from service.ranks.attention.flashinfer_backend import (
+            FlashInferAttention,
+            FlashInferGraphAttention,
+        )
+
+        eager = FlashInferAttention(*args, kernel=cfg.flashinfer_kernel)
+        graph = FlashInferGraphAttention(
+            *args, kernel=cfg.flashinfer_kernel, workspace=eager.workspace
+        )
+        return eager, graph
+    from service.ranks.attention.torch_slots import TorchSlotAttention
+    from service.ranks.attention.torch_varlen import TorchVarlenAttention
+
+    return TorchVarlenAttention(*args), TorchSlotAttention(*args)

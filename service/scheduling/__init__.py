@@ -1,0 +1,1 @@
+"""Continuous batching on the coordinator: requests, the scheduler, row and KV-slot allocators."""

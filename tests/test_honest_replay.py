@@ -1,0 +1,151 @@
+"""A replay must be a replay: frozen at capture, through the captured calls and static buffers.
+
+On CPU a captured call is a traced FX graph: the model's Python ran once, at capture. These tests
+break the model's Python after capture and check that replay does not notice, that each captured
+call replayed exactly once per prefill, that replays hand back the same output storage (as a CUDA
+graph does), and that the live batch went through the static buffers. An implementation that
+runs the live batch eagerly, or re-runs the captured Python, fails them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from service.buckets import decide_replay
+from service.config import EngineConfig, GraphConfig
+from service.engine import Engine
+from service.errors import RankFailure
+from service.model import llama, rotary
+from service.padding import PADDING_SLOT
+from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+from service.ranks.worker import capture_failure
+from tests.faults import FaultyLocalExecutor, RankFaults
+
+BACKENDS = ["full", "breakable", "tc_piecewise"]
+CTX = 128
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def graph_cfg(backend: str, device: str = "cpu", **graph) -> EngineConfig:
+    return EngineConfig(
+        device=device,
+        dtype="float32",
+        context_length=CTX,
+        max_running_requests=8,
+        chunked_prefill_size=256,
+        kv_cache_memory_bytes=32 << 20,
+        graph=GraphConfig(backend=backend, buckets=graph.pop("buckets", (64, 256)), **graph),
+    )
+
+
+def live_batch(worker, lens: tuple[int, ...], seed: int) -> ForwardBatch:
+    """A prefill batch of fresh requests in rows 0.., KV slots from 1, random ids."""
+    rng = random.Random(seed)
+    slots = list(range(1, 1 + sum(lens)))
+    start = 0
+    for row, n in enumerate(lens):
+        worker.req_to_token.write(row, 0, slots[start : start + n])
+        start += n
+    layout = BatchLayout(ForwardMode.EXTEND, tuple(range(len(lens))), (0,) * len(lens), lens)
+    ids = [rng.randrange(384) for _ in range(sum(lens))]
+    return ForwardBatch.build(layout, ids, slots, worker.device)
+
+
+def poison_model_python(monkeypatch) -> None:
+    """Every Python method of the model's forward raises from now on (the output tail, which is
+    eager by design, excepted)."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the model's Python ran during a replay")
+
+    for cls, names in [
+        (llama.RMSNorm, ["forward"]),
+        (llama.MLP, ["forward"]),
+        (llama.Attention, ["qkv"]),
+        (llama.DecoderLayer, ["pre_attention", "post_attention"]),
+        (llama.CausalLM, ["forward", "first_segment", "middle_segment", "last_segment"]),
+        (rotary.RotaryEmbedding, ["forward"]),
+    ]:
+        for name in names:
+            monkeypatch.setattr(cls, name, boom)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_is_frozen_at_capture_and_goes_through_the_captured_calls(
+    backend, device, monkeypatch
+):
+    """Invariant 7 (replay equals eager) for a replay that really is one."""
+    e = Engine(graph_cfg(backend, device, full_request_slots=4 if backend == "full" else None))
+    w = e.executor.worker
+    runner = w.runner
+    lens = (37, 60, 11)
+    batch = live_batch(w, lens, seed=1)
+    decision = decide_replay(e.resolved.plan, sum(lens), len(lens))
+    assert decision.hit and decision.bucket == 256
+    with torch.inference_mode():
+        want = w.eager_runner.run(batch, decision).clone()
+        calls = runner.captured_calls(256)
+        assert calls and all(c.replays == 0 for c in calls)
+        first = runner.run(batch, decision)
+        first_ptr, first_val = first.data_ptr(), first.clone()
+        poison_model_python(monkeypatch)
+        with pytest.raises(AssertionError, match="Python ran"):  # the poison works ...
+            w.eager_runner.run(batch, decision)
+        got = runner.run(batch, decision)  # ... and a replay never meets it
+    assert [c.replays for c in calls] == [2] * len(calls)
+    assert all(c.replays == 0 for c in runner.captured_calls(64))
+    # the graphs' own output storage, overwritten in place by every replay
+    assert got.data_ptr() == first_ptr
+    tol = 0.0 if device == "cpu" and backend != "full" else 1e-4
+    assert (got - want).abs().max().item() <= tol
+    assert torch.equal(got, first_val)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_reads_the_live_batch_from_the_static_buffers(backend):
+    """The padding rule (service.padding) at the buffers every graph reads."""
+    e = Engine(graph_cfg(backend, full_request_slots=4 if backend == "full" else None))
+    w = e.executor.worker
+    lens = (20, 9)
+    batch = live_batch(w, lens, seed=2)
+    with torch.inference_mode():
+        w.runner.run(batch, decide_replay(e.resolved.plan, 29, 2))
+    buf = w.runner.buffers
+    assert torch.equal(buf.input_ids[:29], batch.input_ids)
+    assert torch.equal(buf.positions[:29], batch.positions)
+    assert buf.input_ids[29:64].eq(0).all() and buf.positions[29:64].eq(0).all()
+    assert buf.out_cache_loc[29:64].eq(PADDING_SLOT).all()
+    assert buf.extend_lens[:2].tolist() == [20, 9]
+
+
+@pytest.mark.parametrize("error", ["ValueError", "IndexError", "KeyError"])
+def test_a_capture_that_raises_anything_drops_its_bucket(error):
+    """Invariant 6 on one rank: any exception in a capture drops that bucket; start-up goes on."""
+    cfg = graph_cfg("breakable")
+    faults = RankFaults(fail_capture_buckets=(64,), capture_error=error)
+    e = Engine(cfg, executor=FaultyLocalExecutor(cfg, faults))
+    assert e.resolved.plan.bucket_sizes == (256,)
+    (dropped,) = [d for d in e.resolved.plan.dropped if d.num_tokens == 64]
+    assert f"capture failed: rank 0: {error}" in dropped.reason
+    assert e.executor.worker.runner.captured_buckets() == (256,)
+    (out,) = e.generate([[5] * 30], None)
+    assert out.meta_info["prefill_batches"][0]["bucket"] == 256
+
+
+def test_a_capture_that_poisons_the_device_is_a_rank_failure():
+    """A CUDA error that leaves the context unusable fails the rank, with the first message."""
+
+    def dead_device() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (again)")
+
+    first = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RankFailure, match="rank 3: the device is unusable after capturing "
+                       "bucket 4096: RuntimeError: CUDA error: an illegal memory access was "
+                       r"encountered$"):  # fmt: skip
+        capture_failure(first, 3, 4096, dead_device)
+    ok = capture_failure(IndexError("list index out of range"), 3, 4096, lambda: None)
+    assert (ok.rank, ok.error, ok.message) == (3, "IndexError", "list index out of range")
