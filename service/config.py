@@ -89,14 +89,22 @@ class EngineConfig:
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     # attention kernels: "auto" takes FlashInfer on CUDA when it is installed and supports the
-    # model's head dim and dtype, else torch; see service.ranks.attention.select
+    # model's head dim and dtype, else torch; see service.ranks.select
     attention_backend: AttentionName = "auto"
     flashinfer_kernel: FlashInferKernel = "auto"  # FlashInfer's own choice: fa3 on Hopper
+    # the model's elementwise chains (RMSNorm + residual add, rotary, SiLU-and-mul): "auto" takes
+    # FlashInfer's fused kernels where they run, else the torch reference
+    fused_kernels: AttentionName = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unsupported attention backend {self.attention_backend!r}; "
+                f"supported: {list(ATTENTION_BACKENDS)}"
+            )
+        if self.fused_kernels not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"unsupported fused kernels {self.fused_kernels!r}; "
                 f"supported: {list(ATTENTION_BACKENDS)}"
             )
         if self.flashinfer_kernel not in FLASHINFER_KERNELS:

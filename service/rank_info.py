@@ -12,7 +12,7 @@ from service.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class AttentionChoice:
+class BackendChoice:
     name: str  # "flashinfer" | "torch"
     reason: str  # one line: why this backend
 
@@ -35,7 +35,8 @@ class RankInfo:
     eos_token_ids: tuple[int, ...]
     model_dir: str
     architecture: str
-    attention: AttentionChoice
+    attention: BackendChoice
+    kernels: BackendChoice  # the model's fused elementwise kernels
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -56,6 +57,12 @@ def agree_rank_infos(infos: list[RankInfo]) -> RankInfo:
             "ranks chose different attention backends: "
             + ", ".join(f"rank {i.rank}: {i.attention.name} ({i.attention.reason})" for i in infos)
             + "; pass --attention-backend explicitly"
+        )
+    if len({i.kernels.name for i in infos}) > 1:  # and the same fused kernels (same numerics)
+        raise ConfigError(
+            "ranks chose different fused kernels: "
+            + ", ".join(f"rank {i.rank}: {i.kernels.name} ({i.kernels.reason})" for i in infos)
+            + "; pass --fused-kernels explicitly"
         )
     return replace(
         first,

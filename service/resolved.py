@@ -67,10 +67,12 @@ class ResolvedConfig:
         plan = self.plan.to_json()
         limits = self.limits.to_json()
         model, attention = limits.pop("model_dir"), limits.pop("attention")
+        kernels = limits.pop("kernels")
         return {
             "model": model,
             **limits,
             "attention_backend": attention,
+            "fused_kernels": kernels,
             "tp": self.tp,
             "executor": self.executor,
             "prefill_backend": self.plan.backend,

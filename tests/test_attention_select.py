@@ -13,8 +13,8 @@ from service.errors import ConfigError
 from service.padding import PADDING_SLOT
 from service.ranks.attention.flashinfer_backend import live_layout
 from service.ranks.attention.paged_layout import paged_layout
-from service.ranks.attention.select import choose_attention
 from service.ranks.forward_batch import BatchLayout, ForwardMode
+from service.ranks.select import choose_attention
 
 
 def test_auto_takes_flashinfer_only_where_it_runs():

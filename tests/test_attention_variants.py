@@ -23,8 +23,10 @@ class TwoPathLayer(torch.nn.Module):
         registry.register(MHA, AttentionSpec(8, 2, 16, 16**-0.5, kv_layer=0))
         registry.register(MQA, AttentionSpec(2, 2, 16, 0.5, kv_layer=1))
 
-    def forward(self, q_mha, kv_mha, q_mqa, kv_mqa, attend):
-        return attend(q_mha, *kv_mha, MHA), attend(q_mqa, *kv_mqa, MQA)
+    def forward(self, q_mha, kv_mha, q_mqa, kv_mqa, attention):
+        attention.store(*kv_mha, MHA)
+        attention.store(*kv_mqa, MQA)
+        return attention(q_mha, *kv_mha, MHA), attention(q_mqa, *kv_mqa, MQA)
 
 
 @pytest.mark.parametrize("backend_cls", [TorchVarlenAttention, TorchSlotAttention])

@@ -13,9 +13,9 @@ import torch
 
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
-from service.ranks.attention.select import flashinfer_import_error
 from service.ranks.attention.torch_varlen import TorchVarlenAttention
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+from service.ranks.select import flashinfer_import_error
 from service.ranks.startup import set_up_rank
 from service.sampling import SamplingParams
 from tests.fi_model import write_fi_model

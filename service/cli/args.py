@@ -131,6 +131,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         default="auto",
         help="FlashInfer prefill kernels: auto (FlashInfer's choice, fa3 on Hopper), fa2, fa3",
     )
+    p.add_argument(
+        "--fused-kernels",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="RMSNorm+residual, rotary and SiLU-and-mul kernels: auto (FlashInfer's fused kernels "
+        "on CUDA when installed, else torch), flashinfer, torch",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument(
@@ -184,4 +191,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         step_timeout_s=args.step_timeout,
         attention_backend=args.attention_backend,
         flashinfer_kernel=args.flashinfer_kernel,
+        fused_kernels=args.fused_kernels,
     )

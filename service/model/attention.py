@@ -9,8 +9,8 @@ a backend looks up exactly its key, so one path never receives the other's head 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -55,5 +55,25 @@ class AttentionRegistry:
         return sorted(self._specs)
 
 
-# What a model calls for attention: (q (T, Hq*D), k (T, Hkv*D), v (T, Hkv*D), key) -> (T, Hq*D)
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionKey], torch.Tensor]
+class BoundAttention(Protocol):
+    """Attention bound to one forward's batch: what a model layer calls, in this order.
+
+    ``store`` is token-axis work (each token's K/V to its KV slot), so a segment runner captures
+    it inside the segment that produced k and v; the call attends over each request's cached
+    prefix and new tokens, and is what runs between segment replays.
+    """
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
+        """Write this pass's k, v (T, Hkv*D) into the KV cache (an implementation may defer
+        it to the call)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q (T, Hq*D), k, v (T, Hkv*D) -> (T, Hq*D), written into ``out`` when it is given."""
+        ...

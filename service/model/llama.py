@@ -1,11 +1,17 @@
 """Llama / Qwen2 decoder (Touvron et al. 2023, arXiv:2302.13971; Qwen2 adds qkv bias).
 
 RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied or untied embeddings,
-written with tensor-parallel layers. The forward is split into per-layer halves around attention
-(:meth:`DecoderLayer.pre_attention`, :meth:`DecoderLayer.post_attention`), so a graph runner can
-capture the token-axis segments between attention calls (``breakable``) while the eager forward
-is the same code run end to end. The request-layout-dependent tail (last-token gather, LM head)
-is :meth:`CausalLM.logits`.
+written with tensor-parallel layers. The residual stream is carried through the layers beside
+each layer's output, so every norm after the first adds the residual in the same kernel
+(``add_rms_norm``); the elementwise kernels come from :mod:`service.model.kernels`.
+
+The forward is split into per-layer halves around attention (:meth:`DecoderLayer.pre_attention`,
+:meth:`DecoderLayer.post_attention`) and composed into segments (:meth:`CausalLM.first_segment`,
+:meth:`CausalLM.middle_segment`, :meth:`CausalLM.last_segment`), so a graph runner can capture
+the token-axis segments between attention calls (``breakable``) while the eager forward is the
+same code run end to end. Each segment ends with its layer's K/V written to the cache
+(``attention.store``), which is token-axis work too. The request-layout-dependent tail
+(last-token gather, LM head) is :meth:`CausalLM.logits`.
 
 Shapes: T tokens (the token axis, maybe padded to a bucket), H hidden, Hq/Hkv heads on this
 rank, D head dim.
@@ -18,7 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from service.model.arch_config import ArchConfig
-from service.model.attention import AttentionFn, AttentionKey, AttentionRegistry, AttentionSpec
+from service.model.attention import AttentionKey, AttentionRegistry, AttentionSpec, BoundAttention
+from service.model.kernels import Kernels
 from service.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -32,15 +39,18 @@ MLP_TOKEN_CHUNK = 2048  # GEMMs of 2048 rows already run at full rate
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), one kernel where the kernels fuse it."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -49,8 +59,8 @@ class Attention(nn.Module):
         cfg: ArchConfig,
         layer_id: int,
         tp: TPGroup,
-        rotary: RotaryEmbedding,
         registry: AttentionRegistry,
+        kernels: Kernels,
     ) -> None:
         super().__init__()
         self.num_heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
@@ -71,7 +81,7 @@ class Attention(nn.Module):
             shard_ids=["q", "k", "v"],
         )
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, tp)
-        self.rotary = rotary
+        self.kernels = kernels
         self.key = AttentionKey(layer_id, "mha")
         registry.register(
             self.key,
@@ -85,32 +95,33 @@ class Attention(nn.Module):
         )
 
     def qkv(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, h: torch.Tensor, rope: object, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(
-            positions,
-            q.reshape(t, self.num_heads, self.head_dim),
-            k.reshape(t, self.num_kv_heads, self.head_dim),
-        )
-        return q.reshape(t, self.q_size), k.reshape(t, self.kv_size), v.contiguous()
+        """Normed hidden (T, H) -> rotated q (T, Hq*D), k and v (T, Hkv*D).
+
+        The projection is written into ``out`` (T, (Hq + 2 Hkv) D) when given; q, k, v are
+        column slices of it (no copies), rotated in place where the kernels do so.
+        """
+        qkv = self.qkv_proj(h, out=out)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.kernels.rope(rope, q, k, self.head_dim)
+        return q, k, v
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, kernels: Kernels) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=False
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         # Compiled (tc_piecewise) pieces run it whole: inductor fuses the activation into one
         # kernel, and no size test enters the trace, so one trace serves every bucket.
         if torch.compiler.is_compiling() or x.shape[0] <= MLP_TOKEN_CHUNK:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
         # Long batches run in token chunks: the (T, 2 * intermediate) activation is the largest
         # tensor of the forward, and a captured graph's pool keeps its peak for good.
         return torch.cat([self(part) for part in x.split(MLP_TOKEN_CHUNK)])
@@ -122,73 +133,111 @@ class DecoderLayer(nn.Module):
         cfg: ArchConfig,
         layer_id: int,
         tp: TPGroup,
-        rotary: RotaryEmbedding,
         registry: AttentionRegistry,
+        kernels: Kernels,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, tp, rotary, registry)
-        self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, tp, registry, kernels)
+        self.mlp = MLP(cfg, tp, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def pre_attention(
-        self, x: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Residual stream x (T, H) -> q (T, Hq*D), k, v (T, Hkv*D)."""
-        return self.self_attn.qkv(self.input_layernorm(x), positions)
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: object,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous layer's output x (T, H) (the embeddings for layer 0, whose residual is
+        None) -> q (T, Hq*D), k, v (T, Hkv*D) and the residual stream (T, H) with x added."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        q, k, v = self.self_attn.qkv(h, rope, qkv_out)
+        return q, k, v, residual
 
-    def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual stream x (T, H) and attention output (T, Hq*D) -> next residual (T, H)."""
-        x = x + self.self_attn.o_proj(attn_out)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention output (T, Hq*D) and residual (T, H) -> MLP output (T, H), residual with
+        the attention output added."""
+        x = self.self_attn.o_proj(attn_out)
+        h, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
     """The decoder. ``forward`` returns final hidden states; ``logits`` is the output tail."""
 
-    def __init__(self, cfg: ArchConfig, tp: TPGroup, max_positions: int) -> None:
+    def __init__(
+        self, cfg: ArchConfig, tp: TPGroup, max_positions: int, kernels: Kernels | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
+        self.kernels = kernels or Kernels()
         self.registry = AttentionRegistry()
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, self.rotary, self.registry)
+            DecoderLayer(cfg, i, tp, self.registry, self.kernels)
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
         self.lm_head = (
             None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         )
 
+    def key(self, i: int) -> AttentionKey:
+        return self.layers[i].self_attn.key
+
     # Segments between attention calls: token-axis only, so they replay for any request layout.
-    def first_segment(self, input_ids: torch.Tensor, positions: torch.Tensor):
+    def first_segment(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: BoundAttention,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Embed and start layer 0: -> residual (T, H), q, k, v; layer 0's K/V stored."""
+        rope = self.kernels.rope_context(positions, self.rotary.cos_sin_cache)
         x = self.embed_tokens(input_ids)
-        q, k, v = self.layers[0].pre_attention(x, positions)
-        return x, q, k, v
+        q, k, v, residual = self.layers[0].pre_attention(x, None, rope, qkv_out)
+        attention.store(k, v, self.key(0))
+        return residual, q, k, v
 
     def middle_segment(
-        self, i: int, x: torch.Tensor, attn_out: torch.Tensor, positions: torch.Tensor
-    ):
-        """Finish layer i-1 and start layer i."""
-        x = self.layers[i - 1].post_attention(x, attn_out)
-        q, k, v = self.layers[i].pre_attention(x, positions)
-        return x, q, k, v
+        self,
+        i: int,
+        residual: torch.Tensor,
+        attn_out: torch.Tensor,
+        positions: torch.Tensor,
+        attention: BoundAttention,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Finish layer i-1 and start layer i; layer i's K/V stored."""
+        rope = self.kernels.rope_context(positions, self.rotary.cos_sin_cache)
+        x, residual = self.layers[i - 1].post_attention(attn_out, residual)
+        q, k, v, residual = self.layers[i].pre_attention(x, residual, rope, qkv_out)
+        attention.store(k, v, self.key(i))
+        return residual, q, k, v
 
-    def last_segment(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.layers[-1].post_attention(x, attn_out))
+    def last_segment(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Finish the last layer and apply the final norm: -> final hidden states (T, H)."""
+        x, residual = self.layers[-1].post_attention(attn_out, residual)
+        return self.norm.add(x, residual)[0]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: BoundAttention
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, H)."""
-        x, q, k, v = self.first_segment(input_ids, positions)
+        residual, q, k, v = self.first_segment(input_ids, positions, attention)
         for i in range(1, len(self.layers)):
-            out = attend(q, k, v, self.layers[i - 1].self_attn.key)
-            x, q, k, v = self.middle_segment(i, x, out, positions)
-        out = attend(q, k, v, self.layers[-1].self_attn.key)
-        return self.last_segment(x, out)
+            out = attention(q, k, v, self.key(i - 1))
+            residual, q, k, v = self.middle_segment(i, residual, out, positions, attention)
+        return self.last_segment(residual, attention(q, k, v, self.key(len(self.layers) - 1)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Selected hidden states (N, H) -> logits (N, V) in float32."""

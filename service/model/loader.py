@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from service.errors import CheckpointError
 from service.model.arch_config import ArchConfig, load_arch_config
+from service.model.kernels import Kernels
 from service.model.llama import CausalLM
 from service.model.parallel import TPGroup, copy_checked
 
@@ -140,10 +141,11 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     cfg: ArchConfig | None = None,
+    kernels: Kernels | None = None,
 ) -> CausalLM:
     cfg = cfg or load_arch_config(model_dir)
     with torch.device(device):  # parameters are created where they will live
-        model = CausalLM(cfg, tp, max_positions)
+        model = CausalLM(cfg, tp, max_positions, kernels)
     if load_format == "random":
         init_random(model, seed)
     elif load_format == "auto":

@@ -130,8 +130,14 @@ class ColumnParallelLinear(nn.Module):
             )
         target.copy_(take(loaded, 0, self.tp.rank * local, local).to(param.dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out_local)
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, in) -> (T, out_local), written into ``out`` when given (the same GEMM that
+        ``F.linear`` runs for 2-D input: addmm with a bias, mm without)."""
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
 
 class RowParallelLinear(nn.Module):

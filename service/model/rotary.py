@@ -1,8 +1,6 @@
 """Rotary position embeddings (RoFormer, arXiv:2104.09864) in the Llama "rotate half" layout.
 
-Supports the checkpoint's ``rope_theta`` and the ``linear`` and ``llama3`` rope scalings. The
-cos/sin table is built once in float32; a forward only indexes it with device positions, which
-keeps rotary graph-safe (no host values).
+Supports the checkpoint's ``rope_theta`` and the ``linear`` and ``llama3`` rope scalings.
 """
 
 from __future__ import annotations
@@ -36,26 +34,17 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table, built once in float32: (P, D) with cos in the first half of each row
+    and sin in the second (the layout FlashInfer's rotary kernel reads). The rotation itself is a
+    kernel (service.model.kernels); a forward only indexes the table with device positions, which
+    keeps rotary graph-safe (no host values)."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
         super().__init__()
         inv = inverse_frequencies(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # (P, D/2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer(
+            "cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False
+        )
         self.head_dim = head_dim
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions (T,), q (T, Hq, D), k (T, Hkv, D)
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)

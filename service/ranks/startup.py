@@ -16,12 +16,12 @@ import torch
 from service.config import DEFAULT_MAX_RUNNING_REQUESTS_CAP, EngineConfig
 from service.model.arch_config import load_arch_config
 from service.model.builtin import builtin_model_dir
+from service.model.kernels import FlashInferKernels, Kernels
 from service.model.llama import CausalLM
 from service.model.loader import build_model
 from service.model.parallel import TPGroup
-from service.rank_info import AttentionChoice, RankInfo
+from service.rank_info import BackendChoice, RankInfo
 from service.ranks.attention.base import AttentionBackend
-from service.ranks.attention.select import choose_attention, flashinfer_import_error
 from service.ranks.device import (
     resolve_chunked_prefill,
     resolve_context_length,
@@ -36,6 +36,7 @@ from service.ranks.kv_pool import (
     kv_slots_for_budget,
     resolve_max_running_requests,
 )
+from service.ranks.select import choose_attention, choose_kernels, flashinfer_import_error
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,14 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
     dtype = resolve_dtype(cfg, arch, device)
     context_length = resolve_context_length(cfg, arch)
     chunked_prefill_size = resolve_chunked_prefill(cfg, device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    wants_flashinfer = device.type == "cuda" and "flashinfer" in (
+        cfg.attention_backend.replace("auto", "flashinfer"),
+        cfg.fused_kernels.replace("auto", "flashinfer"),
+    )
+    fi_error = flashinfer_import_error() if wants_flashinfer else None
+    kernels = choose_kernels(cfg.fused_kernels, device.type, dtype_name, arch.head_dim, fi_error)
+    log.info("Fused kernels: %s (%s)", kernels.name, kernels.reason)
     model = build_model(
         model_dir,
         tp=tp,
@@ -77,6 +86,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         load_format=cfg.load_format,
         seed=cfg.seed,
         cfg=arch,
+        kernels=make_kernels(kernels.name),
     )
     layout = KVLayout(
         num_layers=arch.num_hidden_layers,
@@ -90,15 +100,8 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
     )
     kv = TokenKVPool(layout, num_slots, device)
     req_to_token = ReqToTokenPool(max_running_requests, context_length, device)
-    dtype_name = str(dtype).removeprefix("torch.")
     choice = choose_attention(
-        cfg.attention_backend,
-        device.type,
-        dtype_name,
-        arch.head_dim,
-        flashinfer_import_error()
-        if device.type == "cuda" and cfg.attention_backend != "torch"
-        else None,
+        cfg.attention_backend, device.type, dtype_name, arch.head_dim, fi_error
     )
     log.info("Attention backend: %s (%s)", choice.name, choice.reason)
     eager, graph = attention_backends(choice, cfg, model, kv, req_to_token)
@@ -115,12 +118,19 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         model_dir=str(model_dir),
         architecture=arch.architecture,
         attention=choice,
+        kernels=kernels,
     )
     return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, info)
 
 
+def make_kernels(name: str) -> Kernels:
+    if name == "flashinfer":
+        return FlashInferKernels()
+    return Kernels()
+
+
 def attention_backends(
-    choice: AttentionChoice,
+    choice: BackendChoice,
     cfg: EngineConfig,
     model: CausalLM,
     kv: TokenKVPool,

@@ -7,10 +7,11 @@ the attend function type) lives in :mod:`service.model.attention`; backends impl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
-from service.model.attention import AttentionFn, AttentionKey, AttentionRegistry, AttentionSpec
+from service.model.attention import AttentionKey, AttentionRegistry, AttentionSpec, BoundAttention
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
 
@@ -28,7 +29,28 @@ class AttentionBackend(ABC):
         self.kv = kv
         self.req_to_token = req_to_token
 
+    def store(
+        self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey, batch: ForwardBatch
+    ) -> None:
+        """Each token's K/V (T, Hkv*D) to its KV slot; padded tokens write the padding slot."""
+        spec = self.registry.spec(key)
+        t = k.shape[0]
+        k3 = k.view(t, spec.num_kv_heads, spec.head_dim)
+        v3 = v.view(t, spec.num_kv_heads, spec.head_dim)
+        self.kv.store(spec.kv_layer, batch.out_cache_loc, k3, v3)
+
     @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        batch: ForwardBatch,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of this pass's queries; the cache already holds this pass's K/V."""
+
     def forward(
         self,
         q: torch.Tensor,
@@ -36,7 +58,11 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         key: AttentionKey,
         batch: ForwardBatch,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Store and attend, for one call outside a model forward (tests, references)."""
+        bound = self.bind(batch)
+        bound.store(k, v, key)
+        return bound(q, k, v, key)
 
     def prepare(self, batch: ForwardBatch, bucket: int) -> None:
         """Host-side planning before the graph of ``bucket`` is captured or replayed over
@@ -47,40 +73,58 @@ class AttentionBackend(ABC):
         """Drop what ``prepare`` keeps for ``bucket`` (its capture failed on another rank)."""
         return None
 
-    def bind(self, batch: ForwardBatch) -> AttentionFn:
-        """The attention function a model forward of ``batch`` calls (once per forward, so
-        per-batch planning happens once, not once per layer)."""
+    def bind(self, batch: ForwardBatch) -> BoundAttention:
+        """The attention a model forward of ``batch`` calls (once per forward, so per-batch
+        planning happens once, not once per layer)."""
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
-            return self.forward(q, k, v, key, batch)
+        def attend(q, k, v, key, out):
+            return self.attend(q, k, v, key, batch, out)
 
-        return attend
+        return Bound(self, batch, attend)
 
-    def _store(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key: AttentionKey,
-        batch: ForwardBatch,
-    ) -> tuple[AttentionSpec, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The path's metadata, heads split out, and this pass's K/V written to the pool."""
+    def _heads(self, q: torch.Tensor, key: AttentionKey) -> tuple[AttentionSpec, torch.Tensor]:
+        """The path's metadata and q split into heads (T, Hq, D)."""
         spec = self.registry.spec(key)
-        q3, k3, v3 = self._split_heads(q, k, v, spec)
-        self.kv.store(spec.kv_layer, batch.out_cache_loc, k3, v3)
-        return spec, q3, k3, v3
-
-    def _split_heads(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        t = q.shape[0]
         if q.shape[-1] != spec.num_heads * spec.head_dim:
             raise ValueError(
                 f"query of width {q.shape[-1]} does not match its path's metadata "
                 f"({spec.num_heads} heads x {spec.head_dim})"
             )
-        return (
-            q.view(t, spec.num_heads, spec.head_dim),
-            k.view(t, spec.num_kv_heads, spec.head_dim),
-            v.view(t, spec.num_kv_heads, spec.head_dim),
-        )
+        return spec, q.view(q.shape[0], spec.num_heads, spec.head_dim)
+
+
+class Bound:
+    """A backend bound to one forward's batch (the model's :class:`BoundAttention`)."""
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        batch: ForwardBatch,
+        attend: Callable[..., torch.Tensor],
+    ) -> None:
+        self.backend = backend
+        self.batch = batch
+        self._attend = attend
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
+        self.backend.store(k, v, key, self.batch)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._attend(q, k, v, key, out)
+
+
+def output_buffer(q3: torch.Tensor, out: torch.Tensor | None, num_real: int) -> torch.Tensor:
+    """Where attention of q3 (T, Hq, D) writes: ``out`` viewed as heads, or a new tensor. Rows
+    past the ``num_real`` live tokens (padding) are zeroed, so a padded row never carries a value
+    left over from another batch."""
+    res = torch.empty_like(q3) if out is None else out.view(q3.shape)
+    if q3.shape[0] > num_real:
+        res[num_real:].zero_()
+    return res

@@ -1,9 +1,10 @@
 """Attention as an opaque torch custom op, so `torch.compile` splits the graph around it.
 
-The op receives tensors and the (layer id, variant) key; the attention function bound to the
-live batch (planned once per forward) comes from a context variable that the runner sets around
-each call. The variable is scoped to the call (``with attention_context(...)``), not global
-state: nothing outside the runner sees it.
+The op receives tensors and the (layer id, variant) key; the attention bound to the live batch
+(planned once per forward) comes from a context variable that the runner sets around each call.
+The variable is scoped to the call (``with attention_context(...)``), not global state: nothing
+outside the runner sees it. The op stores this pass's K/V and attends, so the compiled pieces
+hold no KV-cache writes of their own.
 """
 
 from __future__ import annotations
@@ -14,10 +15,22 @@ from contextvars import ContextVar
 
 import torch
 
-from service.model.attention import AttentionFn, AttentionKey
+from service.model.attention import AttentionKey, BoundAttention
 
 OP_NAME = "capture_service::attention"
-_current: ContextVar[AttentionFn | None] = ContextVar("capture_service_attention", default=None)
+_current: ContextVar[BoundAttention | None] = ContextVar("capture_service_attention", default=None)
+
+
+def direct_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str
+) -> torch.Tensor:
+    """What the op does, called without the dispatcher (split graphs call it at replay)."""
+    bound = _current.get()
+    if bound is None:
+        raise RuntimeError("capture_service::attention called outside attention_context")
+    key = AttentionKey(layer_id, variant)
+    bound.store(k, v, key)
+    return bound(q, k, v, key)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -38,24 +51,30 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant:
 
 
 @contextmanager
-def attention_context(attend: AttentionFn) -> Iterator[None]:
-    token = _current.set(attend)
+def attention_context(bound: BoundAttention) -> Iterator[None]:
+    token = _current.set(bound)
     try:
         yield
     finally:
         _current.reset(token)
 
 
-def op_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
-    """The AttentionFn a compiled forward calls: the custom op."""
-    return torch.ops.capture_service.attention(q, k, v, key.layer_id, key.variant)
+class OpAttention:
+    """The :class:`BoundAttention` a compiled forward calls: one custom op that stores and
+    attends (``store`` is deferred to it, so no KV write enters a compiled piece)."""
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
+        return None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return torch.ops.capture_service.attention(q, k, v, key.layer_id, key.variant)
 
 
-def direct_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str
-) -> torch.Tensor:
-    """What the op does, called without the dispatcher (split graphs call it at replay)."""
-    attend = _current.get()
-    if attend is None:
-        raise RuntimeError("capture_service::attention called outside attention_context")
-    return attend(q, k, v, AttentionKey(layer_id, variant))
+op_attention = OpAttention()

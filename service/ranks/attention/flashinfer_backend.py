@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from service.model.attention import AttentionFn, AttentionKey, AttentionRegistry, AttentionSpec
-from service.ranks.attention.base import AttentionBackend
+from service.model.attention import AttentionKey, AttentionRegistry, AttentionSpec, BoundAttention
+from service.ranks.attention.base import AttentionBackend, Bound, output_buffer
 from service.ranks.attention.paged_layout import PagedLayout, indptr, paged_layout
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
@@ -78,15 +78,16 @@ class _FlashInferBase(AttentionBackend):
         # (num_slots+1, Hkv, D) -> (pages, page_size 1, Hkv, D), FlashInfer's NHD layout
         return self.kv.k[spec.kv_layer].unsqueeze(1), self.kv.v[spec.kv_layer].unsqueeze(1)
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         key: AttentionKey,
         batch: ForwardBatch,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
-        return self.bind(batch)(q, k, v, key)
+        return self.bind(batch)(q, k, v, key, out)
 
 
 class FlashInferAttention(_FlashInferBase):
@@ -114,7 +115,7 @@ class FlashInferAttention(_FlashInferBase):
             return "decode"
         return "ragged" if not any(layout.prefix_lens) else "paged"
 
-    def bind(self, batch: ForwardBatch) -> AttentionFn:
+    def bind(self, batch: ForwardBatch) -> BoundAttention:
         layout = batch.layout
         num_real = layout.num_tokens
         path = self.path(layout)
@@ -127,19 +128,19 @@ class FlashInferAttention(_FlashInferBase):
         for shape, wrapper in wrappers.items():
             self._plan(path, wrapper, shape, qo, pl, kv_indices)
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
-            spec, q3, k3, v3 = self._store(q, k, v, key, batch)
-            out = torch.empty_like(q3)
-            if q3.shape[0] > num_real:  # padded rows (segment replays): zeros, as torch gives
-                out[num_real:].zero_()
+        def attend(q, k, v, key, out):
+            spec, q3 = self._heads(q, key)
+            res = output_buffer(q3, out, num_real)  # padded rows (segment replays): zeros
             wrapper = wrappers[self.shapes[key]]
-            if path == "ragged":
-                wrapper.run(q3[:num_real], k3[:num_real], v3[:num_real], out=out[:num_real])
+            if path == "ragged":  # strided q/k/v (columns of one qkv tensor) are read in place
+                k3 = k.view(k.shape[0], spec.num_kv_heads, spec.head_dim)
+                v3 = v.view(v.shape[0], spec.num_kv_heads, spec.head_dim)
+                wrapper.run(q3[:num_real], k3[:num_real], v3[:num_real], out=res[:num_real])
             else:
-                wrapper.run(q3[:num_real], self._paged_cache(spec), out=out[:num_real])
-            return out.view(q.shape[0], -1)
+                wrapper.run(q3[:num_real], self._paged_cache(spec), out=res[:num_real])
+            return res.view(q.shape[0], -1)
 
-        return attend
+        return Bound(self, batch, attend)
 
     def _plan(
         self,
@@ -260,16 +261,16 @@ class FlashInferGraphAttention(_FlashInferBase):
                 q_data_type=self.dtype, kv_data_type=self.dtype,
             )  # fmt: skip
 
-    def bind(self, batch: ForwardBatch) -> AttentionFn:
+    def bind(self, batch: ForwardBatch) -> BoundAttention:
         bucket = batch.input_ids.shape[0]
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
-            spec, q3, _, _ = self._store(q, k, v, key, batch)
+        def attend(q, k, v, key, out):
+            spec, q3 = self._heads(q, key)
             wrapper = self._wrappers.get((bucket, self.shapes[key]))
             if wrapper is None:
                 raise RuntimeError(f"bucket {bucket} was not prepared before its graph ran")
-            out = torch.zeros_like(q3)  # rows past the live tokens stay zero at every replay
-            wrapper.run(q3, self._paged_cache(spec), out=out)
-            return out.view(q.shape[0], -1)
+            res = torch.zeros_like(q3) if out is None else out.view(q3.shape).zero_()
+            wrapper.run(q3, self._paged_cache(spec), out=res)  # rows past the live ones stay 0
+            return res.view(q.shape[0], -1)
 
-        return attend
+        return Bound(self, batch, attend)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from service.model.attention import AttentionFn, AttentionKey
-from service.ranks.attention.base import AttentionBackend
+from service.model.attention import AttentionKey, BoundAttention
+from service.ranks.attention.base import AttentionBackend, Bound
 from service.ranks.forward_batch import ForwardBatch
 
 
@@ -56,39 +56,34 @@ class TorchSlotAttention(AttentionBackend):
             mask=mask.unsqueeze(1),
         )
 
-    def bind(self, batch: ForwardBatch) -> AttentionFn:
+    def bind(self, batch: ForwardBatch) -> BoundAttention:
         layout = self.layout(batch, batch.input_ids.shape[0])
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: AttentionKey):
-            return self._attend(q, k, v, key, batch, layout)
+        def attend(q, k, v, key, out):
+            return self._attend(q, key, layout, out)
 
-        return attend
+        return Bound(self, batch, attend)
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         key: AttentionKey,
         batch: ForwardBatch,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
-        return self._attend(q, k, v, key, batch, self.layout(batch, q.shape[0]))
+        return self._attend(q, key, self.layout(batch, q.shape[0]), out)
 
     def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key: AttentionKey,
-        batch: ForwardBatch,
-        layout: SlotLayout,
+        self, q: torch.Tensor, key: AttentionKey, layout: SlotLayout, out: torch.Tensor | None
     ) -> torch.Tensor:
-        spec, q3, _, _ = self._store(q, k, v, key, batch)
+        spec, q3 = self._heads(q, key)
         num_tokens, num_heads, head_dim = q3.shape
         queries = q3[layout.q_index]  # (S, Qmax, Hq, D)
         keys = self.kv.k[spec.kv_layer][layout.rows]  # (S, ctx, Hkv, D)
         values = self.kv.v[spec.kv_layer][layout.rows]
-        out = F.scaled_dot_product_attention(
+        res = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # (S, Hq, Qmax, D)
             keys.transpose(1, 2),  # (S, Hkv, ctx, D)
             values.transpose(1, 2),
@@ -96,6 +91,9 @@ class TorchSlotAttention(AttentionBackend):
             scale=spec.scale,
             enable_gqa=num_heads != spec.num_kv_heads,
         ).transpose(1, 2)  # (S, Qmax, Hq, D)
-        flat = torch.zeros(num_tokens + 1, num_heads, head_dim, dtype=out.dtype, device=q.device)
-        flat.index_copy_(0, layout.target, out.reshape(-1, num_heads, head_dim))
-        return flat[:num_tokens].reshape(num_tokens, num_heads * head_dim)
+        flat = torch.zeros(num_tokens + 1, num_heads, head_dim, dtype=res.dtype, device=q.device)
+        flat.index_copy_(0, layout.target, res.reshape(-1, num_heads, head_dim))
+        result = flat[:num_tokens].reshape(num_tokens, num_heads * head_dim)
+        if out is None:
+            return result
+        return out.copy_(result)

@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from service.model.attention import AttentionKey
-from service.ranks.attention.base import AttentionBackend
+from service.ranks.attention.base import AttentionBackend, output_buffer
 from service.ranks.forward_batch import ForwardBatch
 
 
@@ -42,18 +42,19 @@ class TorchVarlenAttention(AttentionBackend):
     name = "torch"
     graph_safe = False
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         key: AttentionKey,
         batch: ForwardBatch,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
-        spec, q3, _, _ = self._store(q, k, v, key, batch)
-        out = torch.zeros_like(q3)  # padded tokens keep zeros
-        k_cache, v_cache = self.kv.k[spec.kv_layer], self.kv.v[spec.kv_layer]
+        spec, q3 = self._heads(q, key)
         layout = batch.layout
+        res = output_buffer(q3, out, layout.num_tokens)
+        k_cache, v_cache = self.kv.k[spec.kv_layer], self.kv.v[spec.kv_layer]
         start = 0
         for row, prefix, new in zip(
             layout.req_pool_indices, layout.prefix_lens, layout.extend_lens, strict=True
@@ -61,8 +62,8 @@ class TorchVarlenAttention(AttentionBackend):
             if new == 0:
                 continue
             slots = self.req_to_token.table[row, : prefix + new]
-            out[start : start + new] = causal_attend(
+            res[start : start + new] = causal_attend(
                 q3[start : start + new], k_cache[slots], v_cache[slots], prefix, spec.scale
             )
             start += new
-        return out.view(q.shape[0], -1)
+        return res.view(q.shape[0], -1)

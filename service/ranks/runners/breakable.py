@@ -1,12 +1,18 @@
 """`breakable`: captured token-axis segments that break at every attention call.
 
 Per bucket, L+1 segments are captured (embedding + layer 0 up to attention; layer i-1's output
-half + layer i's input half; the last output half + final norm). Between segment replays,
-attention runs eagerly with the live batch's metadata, so one captured bucket serves any request
-layout; the output tail (last-token gather, logits) stays eager in the worker.
+half + layer i's input half; the last output half + final norm). Each segment ends with its
+layer's K/V written to the cache, which is token-axis work, so between two segment replays the
+host launches one attention kernel with the live batch's metadata and nothing else. One captured
+bucket serves any request layout; the output tail (last-token gather, logits) stays eager in the
+worker.
 
-Segment inputs and outputs are slices of buffers allocated once for the largest bucket; every
-segment writes its results there, so graphs never hold per-bucket activations.
+Segment inputs and outputs live in buffers allocated once for the largest bucket, and every
+segment writes its results where the next consumer reads them: the qkv projection writes into
+the qkv buffer (q, k, v are column slices of it, rotated in place by the fused kernels), the
+fused add-norm updates the residual buffer in place, attention writes into the attention buffer.
+Where a kernel cannot work in place (the torch fallback), the segment copies its result there;
+graphs never hold per-bucket activations.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 
 import torch
 
-from service.model.attention import AttentionFn
+from service.model.attention import BoundAttention
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
@@ -24,12 +30,21 @@ from service.ranks.runners.graph_capture import CapturedCall
 
 @dataclass(frozen=True)
 class SegmentBuffers:
-    x: torch.Tensor  # (Tmax, H) residual stream
-    q: torch.Tensor  # (Tmax, Hq*D)
-    k: torch.Tensor  # (Tmax, Hkv*D)
-    v: torch.Tensor  # (Tmax, Hkv*D)
+    residual: torch.Tensor  # (Tmax, H) the residual stream
+    qkv: torch.Tensor  # (Tmax, (Hq + 2 Hkv) D) the qkv projection; q, k, v are its columns
     attn: torch.Tensor  # (Tmax, Hq*D) attention output, written eagerly between segments
     hidden: torch.Tensor  # (Tmax, H) final hidden states
+    q_size: int
+    kv_size: int
+
+    def qkv_views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qkv[:rows].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+def place(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` holds ``src`` afterwards: nothing to do when a kernel already wrote it there."""
+    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
+        dst.copy_(src)
 
 
 class BreakableGraphRunner(GraphRunner):
@@ -45,47 +60,49 @@ class BreakableGraphRunner(GraphRunner):
             return torch.zeros(t, width, dtype=dtype, device=self.device)
 
         self.seg = SegmentBuffers(
-            x=z(h), q=z(attn.q_size), k=z(attn.kv_size), v=z(attn.kv_size),
-            attn=z(attn.q_size), hidden=z(h),
+            residual=z(h), qkv=z(attn.q_size + 2 * attn.kv_size), attn=z(attn.q_size),
+            hidden=z(h), q_size=attn.q_size, kv_size=attn.kv_size,
         )  # fmt: skip
 
-    def _segment_fns(self, bucket: int, positions: torch.Tensor) -> list:
+    def _segment_fns(self, bucket: int, attention: BoundAttention) -> list:
         s, m = self.seg, self.model
+        ids, positions = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
+        residual, qkv, attn_out = s.residual[:bucket], s.qkv[:bucket], s.attn[:bucket]
+        views = s.qkv_views(bucket)
 
-        def store(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            s.x[:bucket].copy_(x)
-            s.q[:bucket].copy_(q)
-            s.k[:bucket].copy_(k)
-            s.v[:bucket].copy_(v)
+        def keep(res: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+            for dst, src in zip((residual, *views), (res, q, k, v), strict=True):
+                place(dst, src)
 
         def first() -> None:
-            store(*m.first_segment(self.buffers.input_ids[:bucket], positions))
+            keep(*m.first_segment(ids, positions, attention, qkv_out=qkv))
 
         def middle(i: int):
             def run() -> None:
-                store(*m.middle_segment(i, s.x[:bucket], s.attn[:bucket], positions))
+                keep(*m.middle_segment(i, residual, attn_out, positions, attention, qkv_out=qkv))
 
             return run
 
         def last() -> None:
-            s.hidden[:bucket].copy_(m.last_segment(s.x[:bucket], s.attn[:bucket]))
+            place(s.hidden[:bucket], m.last_segment(residual, attn_out))
 
         return [first, *(middle(i) for i in range(1, len(m.layers))), last]
 
-    def _attend(self, i: int, bucket: int, attend: AttentionFn) -> None:
-        s = self.seg
-        key = self.model.layers[i].self_attn.key
-        s.attn[:bucket].copy_(attend(s.q[:bucket], s.k[:bucket], s.v[:bucket], key))
+    def _attend(self, i: int, bucket: int, attention: BoundAttention) -> None:
+        q, k, v = self.seg.qkv_views(bucket)
+        place(self.seg.attn[:bucket], attention(q, k, v, self.model.key(i), self.seg.attn[:bucket]))
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         real = tuple(n for n in capture_seq_lens if n > 0)
         batch = self.buffers.load_synthetic(real, bucket, len(real))
-        fns = self._segment_fns(bucket, self.buffers.positions[:bucket])
-        attend = self.eager_attention.bind(batch)
+        attention = self.eager_attention.bind(batch)
+        # the segments store K/V through the static buffers' out_cache_loc, so the captured
+        # stores write where each replay's live tokens go
+        fns = self._segment_fns(bucket, attention)
         captured = []
         for i, fn in enumerate(fns):
             if i > 0:  # attention of layer i-1 on the synthetic batch feeds segment i
-                self._attend(i - 1, bucket, attend)
+                self._attend(i - 1, bucket, attention)
             captured.append(CapturedCall(fn, self.device, self.pool, self.stream))
         return captured
 
@@ -94,9 +111,9 @@ class BreakableGraphRunner(GraphRunner):
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
-        attend = self.eager_attention.bind(view)  # one plan per replay, not one per layer
+        attention = self.eager_attention.bind(view)  # one plan per replay, not one per layer
         captured[0].replay()
         for i in range(1, len(captured)):
-            self._attend(i - 1, bucket, attend)
+            self._attend(i - 1, bucket, attention)
             captured[i].replay()
         return self.seg.hidden[:bucket]

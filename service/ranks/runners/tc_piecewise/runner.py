@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from service.ranks.attention.custom_op import attention_context, op_attend
+from service.ranks.attention.custom_op import attention_context, op_attention
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
@@ -129,7 +129,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
         model = self.model
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return model(input_ids, positions, op_attend)
+            return model(input_ids, positions, op_attention)
 
         # a code object of this runner's own: another runner's cache entries never evict it
         code = forward.__code__.replace(co_name=f"tc_piecewise_forward_{id(self):x}")

@@ -1,0 +1,123 @@
+"""The model's elementwise kernels: RMSNorm (with the residual add fused in), rotary, SiLU-and-mul.
+
+Two implementations with one interface, chosen once per rank at start-up
+(service.ranks.select):
+
+- :class:`TorchKernels`, the reference and the fallback (CPU, or CUDA without FlashInfer): plain
+  torch, a chain of small kernels per call, out of place.
+- :class:`FlashInferKernels` (the ``gpu`` extra): one kernel per call, in place where FlashInfer
+  works in place (the fused residual add-norm updates both of its inputs; rotary rotates q and
+  k where they lie, reading the cos/sin table at each token's position inside the kernel).
+
+Callers use the returned tensors and never rely on an input being left untouched or on it being
+updated: either may happen.
+
+Shapes: T tokens, H hidden, D head dim; q (T, Hq*D), k (T, Hkv*D) may be column slices of one
+fused qkv tensor (row stride larger than their width).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+
+class Kernels:
+    """The reference: exactly the arithmetic of the original model code (plain torch)."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # x (T, H): normalise in float32, scale in the input dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): the residual stream moves on by x."""
+        residual = residual + x
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rope_context(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> object:
+        """What rotary needs for this forward's positions, looked up once for every layer:
+        (cos, sin), each (T, 1, D/2) float32."""
+        cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    def rope(
+        self, ctx: object, q: torch.Tensor, k: torch.Tensor, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q (T, Hq*D) and k (T, Hkv*D) ("rotate half" layout)."""
+        cos, sin = ctx  # type: ignore[misc]
+        t = q.shape[0]
+        q = _rotate(q.reshape(t, -1, head_dim), cos, sin).reshape(t, -1)
+        k = _rotate(k.reshape(t, -1, head_dim), cos, sin).reshape(t, -1)
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(T, 2I) -> silu(gate) * up, (T, I)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+TorchKernels = Kernels
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class FlashInferKernels(Kernels):
+    """FlashInfer's fused kernels (fp16/bf16 on CUDA).
+
+    Under ``torch.compile`` (``tc_piecewise`` pieces) the reference chains are traced instead:
+    inductor fuses them into its own kernels, together with their neighbours, which an opaque
+    FlashInfer call would prevent.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self) -> None:
+        import flashinfer  # the `gpu` extra; service.ranks.select decided it is importable
+
+        self.fi = flashinfer
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return super().rms_norm(x, weight, eps)
+        return self.fi.norm.rmsnorm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return super().add_rms_norm(x, residual, weight, eps)
+        # in place: residual += x, then x = rms_norm(residual) * weight; one kernel
+        self.fi.norm.fused_add_rmsnorm(x, residual, weight, eps)
+        return x, residual
+
+    def rope_context(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> object:
+        if torch.compiler.is_compiling():
+            return super().rope_context(positions, cos_sin_cache)
+        return positions, cos_sin_cache  # the kernel reads the table at each position itself
+
+    def rope(
+        self, ctx: object, q: torch.Tensor, k: torch.Tensor, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return super().rope(ctx, q, k, head_dim)
+        positions, cache = ctx  # type: ignore[misc]
+        self.fi.rope.apply_rope_with_cos_sin_cache_inplace(
+            positions, q, k, head_dim, cache, is_neox=True
+        )
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return super().silu_and_mul(gate_up)
+        return self.fi.activation.silu_and_mul(gate_up)

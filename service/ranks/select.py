@@ -1,0 +1,73 @@
+"""Which kernels a rank runs, for attention and for the model's fused elementwise chains: a pure
+decision from the device, dtype and head dim.
+
+``auto`` takes FlashInfer where it can run (a CUDA device, FlashInfer importable, a head dim its
+kernels are built for, fp16/bf16) and plain torch otherwise, and says why, so that an operator
+reading the log or ``/server_info`` knows which kernels serve and what would change it. An
+explicit ``flashinfer`` that cannot run is an error that names the missing piece and the flag.
+"""
+
+from __future__ import annotations
+
+from service.errors import ConfigError
+from service.rank_info import BackendChoice
+
+# FlashInfer's prefill/decode templates are instantiated for these head dims (FA2 and FA3)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+FLASHINFER_DTYPES = ("float16", "bfloat16")
+
+
+def flashinfer_blocker(
+    device_type: str, dtype: str, head_dim: int, import_error: str | None
+) -> str | None:
+    """Why FlashInfer cannot serve this rank, or None when it can."""
+    if device_type != "cuda":
+        return f"FlashInfer needs a CUDA device (this rank runs on {device_type})"
+    if import_error is not None:
+        return f"FlashInfer is not importable ({import_error}); install the `gpu` extra"
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        return f"head dim {head_dim} is not one of FlashInfer's {list(FLASHINFER_HEAD_DIMS)}"
+    if dtype not in FLASHINFER_DTYPES:
+        return f"dtype {dtype} is not one of FlashInfer's {list(FLASHINFER_DTYPES)}"
+    return None
+
+
+def choose(requested: str, flag: str, blocker: str | None) -> BackendChoice:
+    """FlashInfer or torch for one ``flag``, given why FlashInfer cannot run (None: it can)."""
+    if requested == "torch":
+        return BackendChoice("torch", f"asked for ({flag} torch)")
+    if requested == "flashinfer":
+        if blocker is not None:
+            raise ConfigError(
+                f"{flag} flashinfer cannot run here: {blocker}; use {flag} auto or torch"
+            )
+        return BackendChoice("flashinfer", f"asked for ({flag} flashinfer)")
+    if requested != "auto":
+        raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, flashinfer, torch")
+    if blocker is None:
+        return BackendChoice("flashinfer", "auto: CUDA, FlashInfer installed, shapes supported")
+    return BackendChoice("torch", f"auto: {blocker}")
+
+
+def choose_attention(
+    requested: str, device_type: str, dtype: str, head_dim: int, import_error: str | None
+) -> BackendChoice:
+    blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error)
+    return choose(requested, "--attention-backend", blocker)
+
+
+def choose_kernels(
+    requested: str, device_type: str, dtype: str, head_dim: int, import_error: str | None
+) -> BackendChoice:
+    """The fused RMSNorm / rotary / SiLU-and-mul kernels (service.model.kernels)."""
+    blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error)
+    return choose(requested, "--fused-kernels", blocker)
+
+
+def flashinfer_import_error() -> str | None:
+    """None when ``import flashinfer`` works, else the error's one-line text."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA/JIT set-up error raised at import
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
