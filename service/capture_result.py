@@ -6,6 +6,12 @@ No torch import: these travel from the ranks to the coordinator (through Ray at 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from service.buckets import BucketPlan
+from service.decode_sizes import DecodePlan
+
+GraphSet = Literal["prefill", "decode"]  # prefill buckets, or decode batch sizes
 
 
 @dataclass(frozen=True)
@@ -41,3 +47,11 @@ class CaptureFailure:
 
 
 CaptureResult = CaptureStat | CaptureFailure
+
+
+@dataclass(frozen=True)
+class RankPlans:
+    """What one rank could capture: its legal prefill buckets and decode sizes."""
+
+    prefill: BucketPlan
+    decode: DecodePlan

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from service.buckets import ReplayDecision
+from service.decode_sizes import DecodeDecision
 from service.sampling import SamplingParams
 
 GraphKind = Literal["cuda", "cpu"]
@@ -63,6 +64,29 @@ class GraphRecord:
 
 
 @dataclass(frozen=True)
+class DecodeRecord:
+    """What one decode step did: replayed a captured size (padded how much) or ran eagerly."""
+
+    batch_size: int
+    graph_hit: bool
+    size: int | None
+    padded: int
+    graph_kind: GraphKind | None
+    miss_reason: str | None
+
+    @staticmethod
+    def from_decision(decision: DecodeDecision, batch_size: int, kind: GraphKind) -> DecodeRecord:
+        return DecodeRecord(
+            batch_size=batch_size,
+            graph_hit=decision.hit,
+            size=decision.size,
+            padded=decision.padded,
+            graph_kind=kind if decision.hit else None,
+            miss_reason=decision.miss_reason,
+        )
+
+
+@dataclass(frozen=True)
 class RowWrite:
     """req_to_token[row, start : start + len(slots)] = slots"""
 
@@ -83,6 +107,7 @@ class ForwardCommand:
     sampling: tuple[SamplingParams, ...]
     steps: tuple[int, ...]  # tokens generated so far per request (seeds sampling)
     decision: ReplayDecision | None  # the graph decision for a prefill, made by the coordinator
+    decode: DecodeDecision | None = None  # the graph decision for a decode step
     return_logits: bool = False
 
 
@@ -91,3 +116,4 @@ class ForwardResult:
     next_token_ids: tuple[int, ...]
     record: GraphRecord | None  # prefill only
     logits: object | None = None  # (B, V) float32 CPU tensor when asked for
+    decode_record: DecodeRecord | None = None  # decode only

@@ -16,6 +16,7 @@ from service.buckets import (
     ResolvedRequestPool,
     resolve_plan,
 )
+from service.decode_sizes import DecodePlan, resolve_decode_plan
 from service.errors import ConfigError
 
 LoadFormat = Literal["auto", "random"]
@@ -67,6 +68,20 @@ class GraphConfig:
 
 
 @dataclass(frozen=True)
+class DecodeGraphConfig:
+    """How decode steps are captured (service.decode_sizes)."""
+
+    enabled: bool = True  # decode graphs on (CUDA graphs on CUDA, recorded graphs on CPU)
+    sizes: tuple[int, ...] | None = None  # None: service.decode_sizes.default_decode_sizes
+
+    def plan(self, max_running_requests: int) -> DecodePlan:
+        """The one mapping from this configuration to a rank's decode sizes."""
+        return resolve_decode_plan(
+            enabled=self.enabled, max_running_requests=max_running_requests, sizes=self.sizes
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine (all of its ranks) needs to start."""
 
@@ -80,6 +95,7 @@ class EngineConfig:
     chunked_prefill_size: int | None = None
     kv_cache_memory_bytes: int | None = None  # None: a share of free device memory (CPU: 512 MiB)
     graph: GraphConfig = GraphConfig()
+    decode: DecodeGraphConfig = DecodeGraphConfig()
     seed: int = 0
     ray_address: str | None = None  # None: start Ray locally
     # where ranks run: "ray" (an actor per rank), "local" (tp 1 in this process), or "auto"

@@ -62,6 +62,7 @@ class Engine:
             vocab_size=r.vocab_size,
             eos_token_ids=r.eos_token_ids,
             detokenize=self.tokenizer.decode if self.tokenizer else None,
+            decode_plan=r.decode,
         )
         self.lock = threading.RLock()
         self.failure: str | None = None  # set once a rank fails; the engine must be rebuilt
@@ -69,7 +70,7 @@ class Engine:
         self.last_logits: list[tuple[ScheduledBatch, ForwardResult]] = []
         log.info(
             "Engine ready: %s on %s (%s), tp %d, context %d, pool %d, kv %d tokens, "
-            "backend %s, %d buckets (%s)",
+            "backend %s, %d buckets (%s), %d decode sizes (%s)",
             r.limits.architecture,
             r.limits.device,
             r.limits.dtype,
@@ -80,6 +81,8 @@ class Engine:
             r.plan.backend,
             len(r.plan.buckets),
             r.graph_kind or "eager",
+            len(r.decode.sizes),
+            r.decode_graph_kind or "eager",
         )
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -121,7 +124,7 @@ class Engine:
         result = self.executor.execute(batch.command)
         if self.return_logits:
             self.last_logits.append((batch, result))
-        if result.record is not None:
+        if result.record is not None:  # one line per prefill batch, for operators to grep
             log.info(
                 "Prefill batch. #new-seq: %d, #new-token: %d, #running-req: %d, "
                 "#queue-req: %d, graph: %s",
@@ -199,4 +202,5 @@ def meta_info(req: Request) -> dict:
         "e2e_latency": round(end - req.created_at, 6),
         "prefill_batches": records,
         "cuda_graph": bool(req.prefill_records) and all(r.cuda_graph for r in req.prefill_records),
+        "decode_steps": {"graph": req.decode_graph_steps, "eager": req.decode_eager_steps},
     }

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from service.buckets import BucketPlan
 from service.capture_result import CaptureStat
 from service.config import EngineConfig
+from service.decode_sizes import DecodePlan
 from service.rank_info import RankInfo
 
 
@@ -23,6 +24,14 @@ class RankCapture:
     def memory_bytes(self) -> int:
         return sum(s.memory_bytes for s in self.stats)
 
+    def to_json(self, what: str) -> dict:
+        return {
+            "rank": self.rank,
+            "seconds": round(self.seconds, 4),
+            "memory_bytes": self.memory_bytes,
+            what: [s.to_json() for s in self.stats],
+        }
+
 
 @dataclass(frozen=True)
 class ResolvedConfig:
@@ -33,6 +42,9 @@ class ResolvedConfig:
     plan: BucketPlan  # the agreed plan, capture failures dropped: what prefill replays
     graph_kind: str | None  # "cuda" | "cpu" | None (eager)
     captures: tuple[RankCapture, ...]
+    decode: DecodePlan  # the agreed decode sizes, capture failures dropped
+    decode_graph_kind: str | None
+    decode_captures: tuple[RankCapture, ...]
 
     # the names the rest of the system reads, so that no caller reaches through `limits`
     @property
@@ -82,13 +94,10 @@ class ResolvedConfig:
             "buckets": plan["buckets"],
             "dropped_buckets": plan["dropped"],
             "disabled_reason": plan["disabled_reason"],
-            "capture": [
-                {
-                    "rank": c.rank,
-                    "seconds": round(c.seconds, 4),
-                    "memory_bytes": c.memory_bytes,
-                    "buckets": [s.to_json() for s in c.stats],
-                }
-                for c in self.captures
-            ],
+            "capture": [c.to_json("buckets") for c in self.captures],
+            "decode_graphs": {
+                **self.decode.to_json(),
+                "graph_kind": self.decode_graph_kind,
+                "capture": [c.to_json("sizes") for c in self.decode_captures],
+            },
         }

@@ -41,14 +41,14 @@ def failing_capture(
 ) -> Callable:
     """``capture`` (a runner's capture_bucket) with the faults of ``faults`` injected."""
 
-    def run(plan, num_tokens: int):
+    def run(num_tokens: int):
         if timeline is not None:
             timeline.append(("capture_start", num_tokens, time.time()))
         time.sleep(faults.capture_extra_s)
         fail = num_tokens in faults.fail_capture_buckets
         if fail and faults.fail_capture_at == "start":
             raise ERRORS[faults.capture_error](f"injected failure for bucket {num_tokens}")
-        out = capture(plan, num_tokens)
+        out = capture(num_tokens)
         if fail:
             raise ERRORS[faults.capture_error](f"injected failure for bucket {num_tokens}")
         if timeline is not None:
@@ -73,17 +73,19 @@ def faulty_actor(faults: dict[int, RankFaults]) -> type[RankActor]:
                 return self.cfg
             return replace(self.cfg, max_running_requests=self.faults.max_running_requests)
 
-        def build_runner(self, plan):
-            kind = super().build_runner(plan)
+        def build_runners(self, prefill, decode):
+            kind = super().build_runners(prefill, decode)
             runner = self.worker.runner
             runner.capture_bucket = failing_capture(runner.capture_bucket, self.faults, self.events)
             return kind
 
-        def capture_bucket(self, plan, num_tokens: int):
+        def capture(self, kind, size: int):
+            if kind != "prefill":  # the faults are prefill captures'
+                return super().capture(kind, size)
             time.sleep(self.faults.arrive_late_s)
-            self.events.append(("arrive", num_tokens, time.time()))
-            out = super().capture_bucket(plan, num_tokens)
-            self.events.append(("return", num_tokens, time.time()))
+            self.events.append(("arrive", size, time.time()))
+            out = super().capture(kind, size)
+            self.events.append(("return", size, time.time()))
             return out
 
         def execute(self, cmd):
@@ -115,8 +117,8 @@ class FaultyLocalExecutor(LocalExecutor):
         self.forward_error = forward_error or ValueError("injected forward failure")
         self.forwards = 0
 
-    def build_runners(self, plan) -> None:
-        super().build_runners(plan)
+    def build_runners(self, prefill, decode) -> None:
+        super().build_runners(prefill, decode)
         runner = self.worker.runner
         runner.capture_bucket = failing_capture(runner.capture_bucket, self.faults)
 

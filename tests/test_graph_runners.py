@@ -234,7 +234,7 @@ def test_tc_piecewise_compiles_each_distinct_piece_once():
     )
     with torch.inference_mode():
         for b in (256, 64, 32):
-            runner.capture_bucket(plan, b)
+            runner.capture_bucket(b)
         assert runner.num_pieces == 5 and runner.piece_compiles == 3
         lens = (100, 90)
         layout = BatchLayout(ForwardMode.EXTEND, (0, 1), (0, 0), lens)

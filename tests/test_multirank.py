@@ -56,6 +56,9 @@ def test_tp2_matches_tp1(ray_local, backend, model, hf_llama):
     assert [o.output_ids for o in outs] == [r.output_ids for r in ref]
     rec = outs[0].meta_info["prefill_batches"][0]
     assert rec["graph_hit"] and rec["bucket"] == 128 and rec["graph_kind"] == "cpu"
+    # decode graphs too, agreed across ranks, with the all-reduces of both ranks inside them
+    assert engine.resolved.decode.sizes == (1, 2, 4)
+    assert all(o.meta_info["decode_steps"] == {"graph": 5, "eager": 0} for o in outs)
 
 
 def test_agreed_buckets_are_the_intersection(ray_local):
@@ -67,6 +70,9 @@ def test_agreed_buckets_are_the_intersection(ray_local):
         info = engine.resolved.to_json()
         assert [b["num_tokens"] for b in info["buckets"]] == [32, 128]
         assert info["max_running_requests"] == 2
+        assert info["decode_graphs"]["sizes"] == [1, 2]  # rank 1's pool of 2 bounds them too
+        (d,) = [d for d in info["decode_graphs"]["dropped"] if d["size"] == 4]
+        assert "not legal on every rank" in d["reason"]
         dropped = {d["num_tokens"]: d["reason"] for d in info["dropped_buckets"]}
         assert "not legal on every rank (rank 1: bucket 256 exceeds" in dropped[256]
         assert "64 x 2" in dropped[256]
@@ -89,7 +95,7 @@ def test_capture_failure_on_one_rank_drops_bucket_everywhere(ray_local, error):
         (reason,) = [d["reason"] for d in info["dropped_buckets"] if d["num_tokens"] == 128]
         assert "capture failed" in reason and f"rank 1: {error}" in reason
         for actor in engine.executor.actors:  # forgotten on the rank whose capture succeeded too
-            assert ray_local.get(actor.captured_buckets.remote()) == [32, 256]
+            assert ray_local.get(actor.captured.remote("prefill")) == [32, 256]
         outs = engine.generate(PROMPTS[:2], GREEDY)  # 76 tokens: would be 128, now 256
         rec = outs[0].meta_info["prefill_batches"][0]
         assert rec["graph_hit"] and rec["bucket"] == 256
@@ -151,7 +157,7 @@ def test_a_one_sided_failure_before_a_collective_fails_start_up_with_its_cause(r
         Engine(c, executor=executor)
     assert time.monotonic() - t0 < 60
     msg = str(err.value)
-    assert msg.startswith("capture of bucket 256 left the ranks' collectives out of step: ")
+    assert msg.startswith("capture of prefill size 256 left the ranks' collectives out of step: ")
     assert msg.index("rank 1: ValueError: injected failure") < msg.index("rank 0")
 
 

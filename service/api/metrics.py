@@ -1,9 +1,12 @@
 """Prometheus metrics of the service (own registry; Prometheus naming, no colons).
 
-Graph hit ratio, one PromQL expression (also in the README):
+Graph hit ratios, one PromQL expression each (also in the README):
 
     sum(rate(capture_service_prefill_batches_total{result="hit"}[5m]))
       / sum(rate(capture_service_prefill_batches_total[5m]))
+
+    sum(rate(capture_service_decode_steps_total{result="hit"}[5m]))
+      / sum(rate(capture_service_decode_steps_total[5m]))
 
 Every (result, reason) series is created at start-up with value 0, so rates exist from the first
 scrape and the ratio is exact over any window.
@@ -14,13 +17,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from service.buckets import MISS_REASONS
-from service.commands import GraphRecord
+from service.commands import DecodeRecord, GraphRecord
+from service.decode_sizes import DECODE_MISS_REASONS
 from service.resolved import ResolvedConfig
+from service.scheduling.request import FINISH_TYPES
 
 PREFIX = "capture_service"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-FINISH_REASONS = ("stop", "length", "abort")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class Metrics:
@@ -76,20 +81,59 @@ class Metrics:
             f"{PREFIX}_prefill_batch_tokens", "Tokens per prefill batch", registry=r,
             buckets=TOKEN_BUCKETS,
         )  # fmt: skip
+        self.decode_steps = Counter(
+            f"{PREFIX}_decode_steps", "Decode steps by graph result and miss reason",
+            ["result", "reason"], registry=r,
+        )  # fmt: skip
+        self.decode_padded = Counter(
+            f"{PREFIX}_decode_padded_slots", "Padded slots added by decode graph replays",
+            registry=r,
+        )  # fmt: skip
+        self.decode_batch = Histogram(
+            f"{PREFIX}_decode_batch_size", "Requests per decode step", registry=r,
+            buckets=BATCH_BUCKETS,
+        )  # fmt: skip
+        self.decode_sizes = Gauge(
+            f"{PREFIX}_decode_graph_sizes", "Decode batch sizes captured on every rank", registry=r
+        )
+        self.decode_capture_seconds = Gauge(
+            f"{PREFIX}_decode_capture_seconds", "Capture time per decode size and rank",
+            ["size", "rank"], registry=r,
+        )  # fmt: skip
+        self.decode_capture_bytes = Gauge(
+            f"{PREFIX}_decode_capture_bytes", "Device memory a decode size's capture added",
+            ["size", "rank"], registry=r,
+        )  # fmt: skip
         self.prefill_batches.labels("hit", "none")
         for reason in MISS_REASONS:
             self.prefill_batches.labels("miss", reason)
-        for reason in FINISH_REASONS:
+        self.decode_steps.labels("hit", "none")
+        for reason in DECODE_MISS_REASONS:
+            self.decode_steps.labels("miss", reason)
+        for reason in FINISH_TYPES:
             self.requests.labels(reason)
 
     def set_resolved(self, resolved: ResolvedConfig) -> None:
         self.agreed_buckets.set(len(resolved.plan.buckets))
         self.graphs_enabled.set(1 if resolved.plan.enabled else 0)
-        for cap in resolved.captures:
-            for stat in cap.stats:
-                labels = (str(stat.num_tokens), str(cap.rank))
-                self.capture_seconds.labels(*labels).set(stat.seconds)
-                self.capture_bytes.labels(*labels).set(stat.memory_bytes)
+        self.decode_sizes.set(len(resolved.decode.sizes))
+        for captures, seconds, memory in (
+            (resolved.captures, self.capture_seconds, self.capture_bytes),
+            (resolved.decode_captures, self.decode_capture_seconds, self.decode_capture_bytes),
+        ):
+            for cap in captures:
+                for stat in cap.stats:
+                    labels = (str(stat.num_tokens), str(cap.rank))
+                    seconds.labels(*labels).set(stat.seconds)
+                    memory.labels(*labels).set(stat.memory_bytes)
+
+    def observe_decode(self, record: DecodeRecord) -> None:
+        if record.graph_hit:
+            self.decode_steps.labels("hit", "none").inc()
+            self.decode_padded.inc(record.padded)
+        else:
+            self.decode_steps.labels("miss", record.miss_reason or "unknown").inc()
+        self.decode_batch.observe(record.batch_size)
 
     def observe_prefill(self, record: GraphRecord) -> None:
         if record.graph_hit:

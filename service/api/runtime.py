@@ -191,6 +191,8 @@ class EngineRuntime:
         engine = self.engine
         if outcome.result.record is not None:
             self.metrics.observe_prefill(outcome.result.record)
+        if outcome.result.decode_record is not None:
+            self.metrics.observe_decode(outcome.result.decode_record)
         for req in outcome.batch.requests:
             h = self._handles.get(req.rid)
             if h is None or not h.stream or req.finished:

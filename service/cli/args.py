@@ -10,9 +10,11 @@ from service.config import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
     FLASHINFER_KERNELS,
+    DecodeGraphConfig,
     EngineConfig,
     GraphConfig,
 )
+from service.decode_sizes import parse_sizes
 from service.errors import PlanError
 
 PLAN_DEFAULT_CONTEXT_LENGTH = 2048
@@ -111,8 +113,28 @@ def add_graph_arguments(p: argparse.ArgumentParser, *, for_plan: bool = False) -
     )
 
 
+def decode_size_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(parse_sizes(text))
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "auto") -> None:
     add_graph_arguments(p)
+    p.add_argument(
+        "--decode-graphs",
+        choices=("on", "off"),
+        default="on",
+        help="replay decode steps through graphs captured per decode batch size (default on)",
+    )
+    p.add_argument(
+        "--decode-graph-sizes",
+        type=decode_size_list,
+        default=None,
+        help="comma-separated decode batch sizes to capture (default: 1,2,4,8,12,16,24,32, "
+        "then sparser up to the request pool size)",
+    )
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: built-in)")
     p.add_argument("--load-format", choices=("auto", "random"), default="auto")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
@@ -184,6 +206,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         graph=graph_config_from_args(args),
+        decode=DecodeGraphConfig(enabled=args.decode_graphs == "on", sizes=args.decode_graph_sizes),
         seed=args.seed,
         ray_address=args.ray_address,
         executor=args.executor,

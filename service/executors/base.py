@@ -8,8 +8,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from service.buckets import BucketPlan
-from service.capture_result import CaptureResult
+from service.capture_result import CaptureResult, GraphSet, RankPlans
 from service.commands import ForwardCommand, ForwardResult
+from service.decode_sizes import DecodePlan
 from service.rank_info import RankInfo
 
 
@@ -20,15 +21,15 @@ class Executor(ABC):
     def infos(self) -> list[RankInfo]: ...
 
     @abstractmethod
-    def local_plans(self) -> list[BucketPlan]: ...
+    def local_plans(self) -> list[RankPlans]: ...
 
     @abstractmethod
-    def build_runners(self, plan: BucketPlan) -> None: ...
+    def build_runners(self, prefill: BucketPlan, decode: DecodePlan) -> None: ...
 
     @abstractmethod
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> list[CaptureResult]:
-        """Capture one bucket on every rank, together; one result per rank. A bucket that failed
-        on any rank is forgotten on every rank before this returns."""
+    def capture(self, kind: GraphSet, size: int) -> list[CaptureResult]:
+        """Capture one prefill bucket or decode size on every rank, together; one result per
+        rank. A size that failed on any rank is forgotten on every rank before this returns."""
 
     @abstractmethod
     def execute(self, cmd: ForwardCommand) -> ForwardResult: ...

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from service.buckets import BucketPlan
-from service.capture_result import CaptureFailure, CaptureResult
+from service.capture_result import CaptureFailure, CaptureResult, GraphSet, RankPlans
 from service.commands import ForwardCommand, ForwardResult
 from service.config import EngineConfig
+from service.decode_sizes import DecodePlan
 from service.executors.base import Executor
 from service.rank_info import RankInfo
 
@@ -22,16 +23,16 @@ class LocalExecutor(Executor):
     def infos(self) -> list[RankInfo]:
         return [self.worker.info]
 
-    def local_plans(self) -> list[BucketPlan]:
-        return [self.worker.resolve_local_plan()]
+    def local_plans(self) -> list[RankPlans]:
+        return [self.worker.resolve_local_plans()]
 
-    def build_runners(self, plan: BucketPlan) -> None:
-        self.worker.build_runner(plan)
+    def build_runners(self, prefill: BucketPlan, decode: DecodePlan) -> None:
+        self.worker.build_runners(prefill, decode)
 
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> list[CaptureResult]:
-        result = self.worker.capture_bucket(plan, num_tokens)
+    def capture(self, kind: GraphSet, size: int) -> list[CaptureResult]:
+        result = self.worker.capture(kind, size)
         if isinstance(result, CaptureFailure):
-            self.worker.forget_bucket(num_tokens)
+            self.worker.forget(kind, size)
         return [result]
 
     def execute(self, cmd: ForwardCommand) -> ForwardResult:

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from service.buckets import BucketPlan
-from service.capture_result import CaptureFailure, CaptureResult
+from service.capture_result import CaptureFailure, CaptureResult, GraphSet, RankPlans
 from service.commands import ForwardCommand, ForwardResult
 from service.config import EngineConfig
+from service.decode_sizes import DecodePlan
 from service.errors import RankFailure
 from service.executors.base import Executor
 from service.rank_info import RankInfo
@@ -158,17 +159,17 @@ class RayExecutor(Executor):
     def infos(self) -> list[RankInfo]:
         return self._infos
 
-    def local_plans(self) -> list[BucketPlan]:
-        return self._all(lambda a: a.local_plan.remote())
+    def local_plans(self) -> list[RankPlans]:
+        return self._all(lambda a: a.local_plans.remote())
 
-    def build_runners(self, plan: BucketPlan) -> None:
-        kinds = self._all(lambda a: a.build_runner.remote(plan))
+    def build_runners(self, prefill: BucketPlan, decode: DecodePlan) -> None:
+        kinds = self._all(lambda a: a.build_runners.remote(prefill, decode))
         self._graph_kind = kinds[0]
 
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> list[CaptureResult]:
-        results = self._all(lambda a: a.capture_bucket.remote(plan, num_tokens))
+    def capture(self, kind: GraphSet, size: int) -> list[CaptureResult]:
+        results = self._all(lambda a: a.capture.remote(kind, size))
         if any(isinstance(r, CaptureFailure) for r in results):
-            self._all(lambda a: a.forget_bucket.remote(num_tokens))  # dropped on every rank
+            self._all(lambda a: a.forget.remote(kind, size))  # dropped on every rank
         return results
 
     def execute(self, cmd: ForwardCommand) -> ForwardResult:

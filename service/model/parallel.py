@@ -40,11 +40,15 @@ class TPGroup:
         return funcol.all_reduce(x, "sum", self.group)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, W) on each rank -> (N, world * W), rank r's part at columns [r W, (r+1) W)."""
         if self.world_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        if x.is_cuda:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            return torch.cat(parts, dim=-1)
+        # gloo: functional, so a recorded CPU graph keeps the wait (see all_reduce)
+        return funcol.all_gather_single(x.contiguous(), x.dim() - 1, self.group)
 
     def split(self, size: int, what: str) -> int:
         if size % self.world_size:

@@ -13,9 +13,10 @@ import socket
 from datetime import timedelta
 
 from service.buckets import BucketPlan
-from service.capture_result import CaptureResult
+from service.capture_result import CaptureResult, GraphSet, RankPlans
 from service.commands import ForwardCommand, ForwardResult
 from service.config import EngineConfig
+from service.decode_sizes import DecodePlan
 from service.rank_info import RankInfo
 
 
@@ -87,25 +88,25 @@ class RankActor:
         dist.monitored_barrier(self.control, timeout=timedelta(seconds=self.cfg.startup_timeout_s))
 
     # ---- start-up commands -------------------------------------------------------------------
-    def local_plan(self) -> BucketPlan:
-        return self.worker.resolve_local_plan()
+    def local_plans(self) -> RankPlans:
+        return self.worker.resolve_local_plans()
 
-    def build_runner(self, plan: BucketPlan) -> str | None:
-        self.worker.build_runner(plan)
+    def build_runners(self, prefill: BucketPlan, decode: DecodePlan) -> str | None:
+        self.worker.build_runners(prefill, decode)
         return self.worker.graph_kind
 
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureResult:
+    def capture(self, kind: GraphSet, size: int) -> CaptureResult:
         self.barrier()  # every rank enters the capture together ...
         try:
-            return self.worker.capture_bucket(plan, num_tokens)
+            return self.worker.capture(kind, size)
         finally:
             self.barrier()  # ... and leaves it together, failed or not
 
-    def forget_bucket(self, num_tokens: int) -> None:
-        self.worker.forget_bucket(num_tokens)
+    def forget(self, kind: GraphSet, size: int) -> None:
+        self.worker.forget(kind, size)
 
-    def captured_buckets(self) -> list[int]:
-        return list(self.worker.runner.captured_buckets())
+    def captured(self, kind: GraphSet) -> list[int]:
+        return list(self.worker.captured(kind))
 
     # ---- run time ----------------------------------------------------------------------------
     def execute(self, cmd: ForwardCommand) -> ForwardResult:

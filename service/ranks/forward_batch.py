@@ -74,29 +74,43 @@ class ForwardBatch:
         out_cache_loc: list[int],
         device: torch.device,
     ) -> ForwardBatch:
-        if len(input_ids) != layout.num_tokens or len(out_cache_loc) != layout.num_tokens:
+        """The batch's device tensors, built on the host without a Python loop over requests and
+        moved to the device in one copy (slices of one packed tensor)."""
+        t, b = layout.num_tokens, layout.num_requests
+        if len(input_ids) != t or len(out_cache_loc) != t:
             raise ValueError(
-                f"batch has {layout.num_tokens} new tokens but {len(input_ids)} ids and "
+                f"batch has {t} new tokens but {len(input_ids)} ids and "
                 f"{len(out_cache_loc)} cache slots"
             )
-        positions: list[int] = []
-        starts: list[int] = []
-        for p, e in zip(layout.prefix_lens, layout.extend_lens, strict=True):
-            starts.append(len(positions))
-            positions.extend(range(p, p + e))
-
-        def t(values: list[int] | tuple[int, ...]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        rows = torch.tensor(layout.req_pool_indices, dtype=torch.int64)
+        prefix = torch.tensor(layout.prefix_lens, dtype=torch.int64)
+        lens = torch.tensor(layout.extend_lens, dtype=torch.int64)
+        starts = lens.cumsum(0) - lens
+        # token j of request i sits at position prefix[i] + (j - starts[i])
+        positions = torch.repeat_interleave(prefix - starts, lens, output_size=t) + torch.arange(t)
+        packed = torch.cat(
+            [
+                torch.tensor(input_ids, dtype=torch.int64),
+                positions,
+                torch.tensor(out_cache_loc, dtype=torch.int64),
+                rows,
+                prefix,
+                lens,
+                starts,
+            ]
+        )
+        if device.type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        ids, pos, loc, r, p, e, st = packed.split([t, t, t, b, b, b, b])
         return ForwardBatch(
             layout=layout,
-            input_ids=t(input_ids),
-            positions=t(positions),
-            out_cache_loc=t(out_cache_loc),
-            req_pool_indices=t(layout.req_pool_indices),
-            prefix_lens=t(layout.prefix_lens),
-            extend_lens=t(layout.extend_lens),
-            extend_start_loc=t(starts),
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            req_pool_indices=r,
+            prefix_lens=p,
+            extend_lens=e,
+            extend_start_loc=st,
         )
 
     def last_token_indices(self) -> torch.Tensor:

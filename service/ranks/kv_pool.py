@@ -67,13 +67,30 @@ class ReqToTokenPool:
         return self.table.shape[0]
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
-        end = start + len(slots)
-        if end > self.context_length:
-            raise ValueError(
-                f"request row {row} would hold {end} tokens, more than context_length "
-                f"{self.context_length}"
-            )
-        self.table[row, start:end] = torch.tensor(slots, dtype=torch.int64)
+        self.write_many([(row, start, slots)])
+
+    def write_many(self, writes: list[tuple[int, int, list[int] | tuple[int, ...]]]) -> None:
+        """``table[row, start : start + len(slots)] = slots`` for every write, in one indexed
+        store (one host-to-device copy), not one per request."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
+        for row, start, slots in writes:
+            end = start + len(slots)
+            if end > self.context_length:
+                raise ValueError(
+                    f"request row {row} would hold {end} tokens, more than context_length "
+                    f"{self.context_length}"
+                )
+            rows += [row] * len(slots)
+            cols += range(start, end)
+            vals += slots
+        if not vals:
+            return
+        packed = torch.tensor([rows, cols, vals], dtype=torch.int64)
+        if self.table.is_cuda:
+            packed = packed.pin_memory().to(self.table.device, non_blocking=True)
+        self.table.index_put_((packed[0], packed[1]), packed[2])
 
 
 class TokenKVPool:

@@ -54,6 +54,7 @@ class RankSetup:
     req_to_token: ReqToTokenPool
     eager_attention: AttentionBackend  # attention of eager forwards and between segment replays
     graph_attention: AttentionBackend  # graph-safe attention captured inside `full` graphs
+    decode_attention: AttentionBackend  # graph-safe decode attention captured in decode graphs
     info: RankInfo
 
 
@@ -104,7 +105,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         cfg.attention_backend, device.type, dtype_name, arch.head_dim, fi_error
     )
     log.info("Attention backend: %s (%s)", choice.name, choice.reason)
-    eager, graph = attention_backends(choice, cfg, model, kv, req_to_token)
+    eager, graph, decode = attention_backends(choice, cfg, model, kv, req_to_token)
     info = RankInfo(
         rank=tp.rank,
         device=str(device),
@@ -120,7 +121,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         attention=choice,
         kernels=kernels,
     )
-    return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, info)
+    return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, decode, info)
 
 
 def make_kernels(name: str) -> Kernels:
@@ -135,21 +136,24 @@ def attention_backends(
     model: CausalLM,
     kv: TokenKVPool,
     req_to_token: ReqToTokenPool,
-) -> tuple[AttentionBackend, AttentionBackend]:
-    """(eager attention, graph-safe attention of the ``full`` backend) for the choice."""
+) -> tuple[AttentionBackend, AttentionBackend, AttentionBackend]:
+    """(eager attention, graph-safe attention of the ``full`` backend, graph-safe decode
+    attention) for the choice."""
     args = (model.registry, kv, req_to_token)
     if choice.name == "flashinfer":
         from service.ranks.attention.flashinfer_backend import (
             FlashInferAttention,
             FlashInferGraphAttention,
         )
+        from service.ranks.attention.flashinfer_decode import FlashInferDecodeGraphAttention
 
         eager = FlashInferAttention(*args, kernel=cfg.flashinfer_kernel)
-        graph = FlashInferGraphAttention(
-            *args, kernel=cfg.flashinfer_kernel, workspace=eager.workspace
-        )
-        return eager, graph
+        shared = {"kernel": cfg.flashinfer_kernel, "workspace": eager.workspace}
+        graph = FlashInferGraphAttention(*args, **shared)
+        decode = FlashInferDecodeGraphAttention(*args, max_size=req_to_token.num_rows, **shared)
+        return eager, graph, decode
+    from service.ranks.attention.torch_decode import TorchDecodeAttention
     from service.ranks.attention.torch_slots import TorchSlotAttention
     from service.ranks.attention.torch_varlen import TorchVarlenAttention
 
-    return TorchVarlenAttention(*args), TorchSlotAttention(*args)
+    return TorchVarlenAttention(*args), TorchSlotAttention(*args), TorchDecodeAttention(*args)

@@ -13,12 +13,14 @@ from collections.abc import Callable
 import torch
 
 from service.buckets import MISS_DISABLED, BucketPlan, ReplayDecision, ResolvedRequestPool
-from service.capture_result import CaptureFailure, CaptureResult
-from service.commands import ForwardCommand, ForwardResult, GraphKind, GraphRecord
-from service.errors import RankFailure
+from service.capture_result import CaptureFailure, CaptureResult, GraphSet, RankPlans
+from service.commands import DecodeRecord, ForwardCommand, ForwardResult, GraphKind, GraphRecord
+from service.decode_sizes import DecodeDecision, DecodePlan
+from service.errors import CaptureFailed, RankFailure
 from service.rank_info import RankInfo
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.runners.base import PrefillRunner
+from service.ranks.runners.decode import DecodeGraphRunner
 from service.ranks.runners.eager import EagerRunner
 from service.ranks.runners.registry import make_runner
 from service.ranks.sampler import sample
@@ -77,6 +79,7 @@ class RankWorker:
         self.kv = setup.kv
         self.eager_runner = EagerRunner(self.model, setup.eager_attention)
         self.runner: PrefillRunner = self.eager_runner
+        self.decode_runner: DecodeGraphRunner | None = None
 
     @property
     def info(self) -> RankInfo:
@@ -86,34 +89,48 @@ class RankWorker:
     def rank(self) -> int:
         return self.setup.tp.rank
 
-    # ---- start-up: buckets -----------------------------------------------------------------
-    def resolve_local_plan(self) -> BucketPlan:
-        """This rank's legal bucket set, from its own resolved request pool."""
-        return self.setup.cfg.graph.plan(
-            context_length=self.info.context_length,
-            pool=ResolvedRequestPool(self.info.max_running_requests),
-            max_prefill_tokens=self.info.chunked_prefill_size,
+    # ---- start-up: plans and captures --------------------------------------------------------
+    def resolve_local_plans(self) -> RankPlans:
+        """This rank's legal prefill buckets and decode sizes, from its own request pool."""
+        pool = self.info.max_running_requests
+        return RankPlans(
+            prefill=self.setup.cfg.graph.plan(
+                context_length=self.info.context_length,
+                pool=ResolvedRequestPool(pool),
+                max_prefill_tokens=self.info.chunked_prefill_size,
+            ),
+            decode=self.setup.cfg.decode.plan(pool),
         )
 
-    def build_runner(self, plan: BucketPlan) -> None:
-        """Build the graph runner for an agreed, non-empty plan (nothing for an empty one)."""
-        if not plan.enabled:
-            self.runner = self.eager_runner
-            return
+    def build_runners(self, prefill: BucketPlan, decode: DecodePlan) -> None:
+        """The runners of the agreed plans (eager where a plan is empty)."""
         s = self.setup
-        self.runner = make_runner(plan, s.model, s.eager_attention, s.graph_attention, s.device)
+        self.runner = (
+            make_runner(prefill, s.model, s.eager_attention, s.graph_attention, s.device)
+            if prefill.enabled
+            else self.eager_runner
+        )
+        self.decode_runner = (
+            DecodeGraphRunner(decode, s.model, s.decode_attention, s.device)
+            if decode.enabled
+            else None
+        )
 
     @torch.inference_mode()
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureResult:
-        """Capture one bucket; any failure comes back as a :class:`CaptureFailure` (the
-        coordinator drops the bucket on every rank), or as :class:`RankFailure` when the device
-        is unusable afterwards."""
+    def capture(self, kind: GraphSet, size: int) -> CaptureResult:
+        """Capture one prefill bucket or decode size; any failure comes back as a
+        :class:`CaptureFailure` (the coordinator drops it on every rank), or as
+        :class:`RankFailure` when the device is unusable afterwards."""
         try:
-            return self.runner.capture_bucket(plan, num_tokens)
+            if kind == "decode":
+                if self.decode_runner is None:
+                    raise CaptureFailed("decode graphs are off on this rank")
+                return self.decode_runner.capture(size)
+            return self.runner.capture_bucket(size)
         except Exception as exc:
-            log.warning("Capture of bucket %d failed: %s: %s", num_tokens, type(exc).__name__, exc)
+            log.warning("Capture of %s size %d failed: %s: %s", kind, size, type(exc).__name__, exc)
             return capture_failure(
-                exc, self.rank, num_tokens, self._check_device, self.setup.tp.world_size
+                exc, self.rank, size, self._check_device, self.setup.tp.world_size
             )
 
     def _check_device(self) -> None:
@@ -121,14 +138,22 @@ class RankWorker:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def forget_bucket(self, num_tokens: int) -> None:
-        self.runner.forget(num_tokens)
+    def forget(self, kind: GraphSet, size: int) -> None:
+        if kind == "decode":
+            if self.decode_runner is not None:
+                self.decode_runner.forget(size)
+        else:
+            self.runner.forget(size)
+
+    def captured(self, kind: GraphSet) -> tuple[int, ...]:
+        if kind == "decode":
+            return self.decode_runner.captured_sizes() if self.decode_runner else ()
+        return self.runner.captured_buckets()
 
     # ---- run time ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, cmd: ForwardCommand) -> ForwardResult:
-        for w in cmd.row_writes:
-            self.req_to_token.write(w.row, w.start, list(w.slots))
+        self.req_to_token.write_many([(w.row, w.start, w.slots) for w in cmd.row_writes])
         layout = BatchLayout(
             mode=ForwardMode.EXTEND if cmd.is_prefill else ForwardMode.DECODE,
             req_pool_indices=cmd.req_pool_indices,
@@ -138,7 +163,7 @@ class RankWorker:
         batch = ForwardBatch.build(
             layout, list(cmd.input_ids), list(cmd.out_cache_loc), self.device
         )
-        record = None
+        record = decode_record = None
         if cmd.is_prefill:
             decision = cmd.decision or ReplayDecision.miss(MISS_DISABLED)
             if decision.hit and not self.runner.can_replay(decision):
@@ -151,15 +176,30 @@ class RankWorker:
             record = GraphRecord.from_decision(
                 decision, layout.num_tokens, layout.num_requests, self.graph_kind or "cpu"
             )
+            logits = self.model.logits(hidden.index_select(0, batch.last_token_indices()))
         else:
-            hidden = self.eager_runner.run(batch, ReplayDecision.miss(MISS_DISABLED))
-        last = hidden.index_select(0, batch.last_token_indices())
-        logits = self.model.logits(last)  # (B, V)
+            step = cmd.decode or DecodeDecision(False, None, 0, MISS_DISABLED)
+            if step.hit:
+                if self.decode_runner is None or not self.decode_runner.can_replay(step):
+                    raise RankFailure(
+                        f"rank {self.rank} was told to replay decode size {step.size}, which it "
+                        f"has not captured ({list(self.captured('decode'))})"
+                    )
+                logits = self.decode_runner.run(batch, step)
+                kind = self.decode_runner.graph_kind
+            else:  # every row of a decode batch is its request's last token
+                logits = self.model.logits(
+                    self.eager_runner.run(batch, ReplayDecision.miss(MISS_DISABLED))
+                )
+                kind = "cpu"
+            decode_record = DecodeRecord.from_decision(step, layout.num_requests, kind)
         next_ids = sample(logits, list(cmd.sampling), list(cmd.steps))
         return ForwardResult(
             next_token_ids=tuple(next_ids),
             record=record,
-            logits=logits.cpu() if cmd.return_logits else None,
+            # a copy: a replay hands back its graph's output buffer, which the next one overwrites
+            logits=logits.to("cpu", copy=True) if cmd.return_logits else None,
+            decode_record=decode_record,
         )
 
     @property

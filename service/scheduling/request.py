@@ -57,6 +57,8 @@ class Request:
     num_prefilled: int = 0
     finish_reason: FinishReason | None = None
     prefill_records: list[GraphRecord] = field(default_factory=list)
+    decode_graph_steps: int = 0  # decode steps of this request that replayed a graph
+    decode_eager_steps: int = 0  # ... and that ran eagerly
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None

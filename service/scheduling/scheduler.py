@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from service.buckets import BucketPlan, decide_replay
 from service.commands import ForwardCommand, ForwardResult, RowWrite
+from service.decode_sizes import DecodePlan, decide_decode
 from service.errors import RequestError
 from service.sampling import SamplingParams
 from service.scheduling.allocators import RowAllocator, SlotAllocator
@@ -41,8 +42,10 @@ class Scheduler:
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         detokenize: Callable[[list[int]], str] | None = None,
+        decode_plan: DecodePlan | None = None,
     ) -> None:
         self.plan = plan
+        self.decode_plan = decode_plan or DecodePlan((), max_running_requests)
         self.context_length = context_length
         self.chunked_prefill_size = chunked_prefill_size
         self.vocab_size = vocab_size
@@ -179,6 +182,7 @@ class Scheduler:
             sampling=tuple(r.sampling for r in reqs),
             steps=tuple(len(r.output_ids) for r in reqs),
             decision=None,
+            decode=decide_decode(self.decode_plan, len(reqs)),
         )
         return ScheduledBatch(cmd, tuple(reqs), (1,) * len(reqs))
 
@@ -196,6 +200,11 @@ class Scheduler:
         ):
             if req.finished:  # aborted while the batch ran
                 continue
+            if result.decode_record is not None:
+                if result.decode_record.graph_hit:
+                    req.decode_graph_steps += 1
+                else:
+                    req.decode_eager_steps += 1
             if batch.command.is_prefill:
                 req.num_prefilled += n
                 if result.record is not None:

@@ -82,7 +82,7 @@ class AttentionBackend(ABC):
 
         return Bound(self, batch, attend)
 
-    def _heads(self, q: torch.Tensor, key: AttentionKey) -> tuple[AttentionSpec, torch.Tensor]:
+    def heads(self, q: torch.Tensor, key: AttentionKey) -> tuple[AttentionSpec, torch.Tensor]:
         """The path's metadata and q split into heads (T, Hq, D)."""
         spec = self.registry.spec(key)
         if q.shape[-1] != spec.num_heads * spec.head_dim:

@@ -49,7 +49,7 @@ class HeadShape:
         return HeadShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale)
 
 
-class _FlashInferBase(AttentionBackend):
+class FlashInferBase(AttentionBackend):
     def __init__(
         self,
         registry: AttentionRegistry,
@@ -90,7 +90,7 @@ class _FlashInferBase(AttentionBackend):
         return self.bind(batch)(q, k, v, key, out)
 
 
-class FlashInferAttention(_FlashInferBase):
+class FlashInferAttention(FlashInferBase):
     name = "flashinfer"
     graph_safe = False
 
@@ -129,7 +129,7 @@ class FlashInferAttention(_FlashInferBase):
             self._plan(path, wrapper, shape, qo, pl, kv_indices)
 
         def attend(q, k, v, key, out):
-            spec, q3 = self._heads(q, key)
+            spec, q3 = self.heads(q, key)
             res = output_buffer(q3, out, num_real)  # padded rows (segment replays): zeros
             wrapper = wrappers[self.shapes[key]]
             if path == "ragged":  # strided q/k/v (columns of one qkv tensor) are read in place
@@ -210,7 +210,7 @@ def live_layout(layout: BatchLayout) -> BatchLayout:
     )
 
 
-class FlashInferGraphAttention(_FlashInferBase):
+class FlashInferGraphAttention(FlashInferBase):
     name = "flashinfer_graph"
     graph_safe = True
 
@@ -265,7 +265,7 @@ class FlashInferGraphAttention(_FlashInferBase):
         bucket = batch.input_ids.shape[0]
 
         def attend(q, k, v, key, out):
-            spec, q3 = self._heads(q, key)
+            spec, q3 = self.heads(q, key)
             wrapper = self._wrappers.get((bucket, self.shapes[key]))
             if wrapper is None:
                 raise RuntimeError(f"bucket {bucket} was not prepared before its graph ran")

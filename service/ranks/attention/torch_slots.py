@@ -78,7 +78,7 @@ class TorchSlotAttention(AttentionBackend):
     def _attend(
         self, q: torch.Tensor, key: AttentionKey, layout: SlotLayout, out: torch.Tensor | None
     ) -> torch.Tensor:
-        spec, q3 = self._heads(q, key)
+        spec, q3 = self.heads(q, key)
         num_tokens, num_heads, head_dim = q3.shape
         queries = q3[layout.q_index]  # (S, Qmax, Hq, D)
         keys = self.kv.k[spec.kv_layer][layout.rows]  # (S, ctx, Hkv, D)

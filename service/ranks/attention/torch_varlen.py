@@ -2,7 +2,8 @@
 
 Reads per-request lengths from the batch's host layout, so it cannot run inside a captured
 graph; it is the eager path on every device, and the attention between ``breakable`` /
-``tc_piecewise`` segment replays on CPU.
+``tc_piecewise`` segment replays on CPU. Decode batches are batched (service.ranks.attention.
+torch_decode).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from service.model.attention import AttentionKey
-from service.ranks.attention.base import AttentionBackend, output_buffer
-from service.ranks.forward_batch import ForwardBatch
+from service.model.attention import AttentionKey, BoundAttention
+from service.ranks.attention.base import AttentionBackend, Bound, output_buffer
+from service.ranks.attention.torch_decode import decode_attend, decode_rows
+from service.ranks.forward_batch import ForwardBatch, ForwardMode
 
 
 def causal_attend(
@@ -39,8 +41,21 @@ def causal_attend(
 
 
 class TorchVarlenAttention(AttentionBackend):
+    """Eager attention: per request for prefill; decode batches go to the batched decode
+    attention over the batch's longest sequence (no loop over requests)."""
+
     name = "torch"
     graph_safe = False
+
+    def bind(self, batch: ForwardBatch) -> BoundAttention:
+        if batch.layout.mode is not ForwardMode.DECODE:
+            return super().bind(batch)
+        rows, mask = decode_rows(self, batch, max(batch.layout.seq_lens))
+
+        def attend(q, k, v, key, out):
+            return decode_attend(self, q, key, rows, mask, out)
+
+        return Bound(self, batch, attend)
 
     def attend(
         self,
@@ -51,7 +66,7 @@ class TorchVarlenAttention(AttentionBackend):
         batch: ForwardBatch,
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        spec, q3 = self._heads(q, key)
+        spec, q3 = self.heads(q, key)
         layout = batch.layout
         res = output_buffer(q3, out, layout.num_tokens)
         k_cache, v_cache = self.kv.k[spec.kv_layer], self.kv.v[spec.kv_layer]

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from service.buckets import BucketPlan, ReplayDecision
+from service.buckets import ReplayDecision
 from service.capture_result import CaptureStat
 from service.commands import GraphKind
 from service.errors import CaptureFailed
@@ -27,7 +27,7 @@ class PrefillRunner(ABC):
     def graph_kind(self) -> GraphKind | None:
         """``cuda`` for real CUDA graphs, ``cpu`` for static-buffer replay on CPU, None eager."""
 
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureStat:
+    def capture_bucket(self, num_tokens: int) -> CaptureStat:
         raise CaptureFailed(f"{self.name} runner captures nothing")
 
     def captured_buckets(self) -> tuple[int, ...]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from abc import abstractmethod
 from typing import Any
 
@@ -16,7 +15,7 @@ from service.model.llama import CausalLM
 from service.ranks.attention.base import AttentionBackend
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.base import PrefillRunner
-from service.ranks.runners.graph_capture import CapturedCall, device_memory_used
+from service.ranks.runners.graph_capture import CapturedCall, timed_capture
 from service.ranks.runners.static_buffers import PrefillStaticBuffers
 
 
@@ -61,18 +60,15 @@ class GraphRunner(PrefillRunner):
     def forget(self, num_tokens: int) -> None:
         self._captured.pop(num_tokens, None)
 
-    def capture_bucket(self, plan: BucketPlan, num_tokens: int) -> CaptureStat:
+    def capture_bucket(self, num_tokens: int) -> CaptureStat:
         if num_tokens not in self.plan.bucket_sizes:
             raise CaptureFailed(f"bucket {num_tokens} is not in the agreed plan")
         lens = self.plan.bucket(num_tokens).capture_seq_lens
-        before = device_memory_used(self.device)
-        t0 = time.perf_counter()
-        try:
-            self._captured[num_tokens] = self._capture(num_tokens, lens)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise CaptureFailed(f"out of memory capturing bucket {num_tokens}: {exc}") from exc
-        seconds = time.perf_counter() - t0
-        return CaptureStat(num_tokens, seconds, max(0, device_memory_used(self.device) - before))
+        captured, stat = timed_capture(
+            num_tokens, self.device, lambda: self._capture(num_tokens, lens)
+        )
+        self._captured[num_tokens] = captured
+        return stat
 
     def run(self, batch: ForwardBatch, decision: ReplayDecision) -> torch.Tensor:
         bucket = decision.bucket

@@ -17,13 +17,18 @@ prefill went through the captured call and not around it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
+from service.capture_result import CaptureStat
+from service.errors import CaptureFailed
 from service.ranks.runners.op_trace import OpTrace, record
+
+T = TypeVar("T")
 
 NUM_WARMUP = 2
 
@@ -70,6 +75,21 @@ class CapturedCall:
             if isinstance(dst, torch.Tensor) and dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         return self.out
+
+
+def timed_capture(
+    num_tokens: int, device: torch.device, capture: Callable[[], T]
+) -> tuple[T, CaptureStat]:
+    """Run ``capture`` and measure it: seconds, and the device memory it added (0 on CPU). Out
+    of memory becomes :class:`CaptureFailed` naming the size."""
+    before = device_memory_used(device)
+    t0 = time.perf_counter()
+    try:
+        out = capture()
+    except torch.cuda.OutOfMemoryError as exc:
+        raise CaptureFailed(f"out of memory capturing size {num_tokens}: {exc}") from exc
+    seconds = time.perf_counter() - t0
+    return out, CaptureStat(num_tokens, seconds, max(0, device_memory_used(device) - before))
 
 
 def device_memory_used(device: torch.device) -> int:
