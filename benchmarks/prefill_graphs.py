@@ -5,7 +5,10 @@ alone, through the same loader as real checkpoints). For every bucket the same r
 (``ceil(bucket / context_length)`` requests filling the bucket) runs eagerly and through each
 backend's captured graphs; the table shows medians of CUDA-event timings, the speedup, the
 physical floor (max of weight bytes over the measured copy bandwidth and FLOPs over the
-measured bf16 matmul rate), and capture seconds and memory per bucket.
+measured bf16 matmul rate) and each time's ratio to it, the CUDA kernels one forward launches
+(from the profiler), and capture seconds and memory per bucket. ``--hf-compiled`` adds Hugging
+Face transformers' model of the same shapes under ``torch.compile`` plus one CUDA graph, measured
+in the same run.
 
     python benchmarks/prefill_graphs.py --out results.json [--backends full,breakable]
 
@@ -28,9 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.buckets import decide_replay, partition_bucket
-from service.config import EngineConfig, GraphConfig
+from service.buckets import ResolvedRequestPool, decide_replay, partition_bucket
+from service.capture_result import CaptureStat
+from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
+from service.decode_sizes import DecodePlan
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+from service.ranks.startup import set_up_rank
 from service.ranks.worker import RankWorker
 
 QWEN25_15B = {
@@ -67,6 +73,49 @@ def timed(fn, device: torch.device, iters: int) -> float:
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def kernels_per_call(fn) -> float:
+    """CUDA kernels one call of ``fn`` launches (graph replays included), from the profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]  # fmt: skip
+    return len(kernels) / 3
+
+
+def hf_compiled_ms(config: dict, tokens: int, iters: int) -> float:
+    """Hugging Face's model of ``config`` (random bf16 weights, sdpa), compiled and captured as
+    one CUDA graph, logits of the last token only: the reference a user could build."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        config["architectures"][0].replace("ForCausalLM", "").lower(),
+        **{k: v for k, v in config.items() if k != "architectures"},
+    )
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, config["vocab_size"], (1, tokens), device="cuda")
+    step = torch.compile(lambda x: model(x, logits_to_keep=1).logits)
+    with torch.inference_mode():
+        for _ in range(3):
+            step(ids)
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(ids)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            step(ids)
+        return timed(graph.replay, torch.device("cuda"), iters)
 
 
 def profile(title: str, fn) -> None:
@@ -138,6 +187,13 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this bucket")
     ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--flashinfer-kernel", choices=("auto", "fa2", "fa3"), default="auto")
+    ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
+    ap.add_argument("--hf-compiled", default="", help="token counts to measure HF compiled at")
+    ap.add_argument(
+        "--kernel-count-buckets",
+        default="16,256,2048,8192",
+        help="buckets whose kernels per forward are counted with the profiler ('' for none)",
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp())
@@ -151,6 +207,8 @@ def main() -> int:
         kv_cache_memory_bytes=4 << 30 if torch.cuda.is_available() else 256 << 20,
         attention_backend=args.attention,
         flashinfer_kernel=args.flashinfer_kernel,
+        fused_kernels=args.fused_kernels,
+        decode=DecodeGraphConfig(enabled=False),
     )
     buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
     rows: dict[int, dict] = {}
@@ -158,14 +216,21 @@ def main() -> int:
     captures: dict[str, dict] = {}
     rates = None
     worker = None
+    cuda = torch.cuda.is_available()
+    count_buckets = {int(b) for b in args.kernel_count_buckets.split(",") if b.strip()}
     with torch.inference_mode():
         for backend in args.backends.split(","):
             graph = GraphConfig(backend, buckets)
             if worker is None:  # one model for all backends: same weights, a runner each
-                worker = RankWorker(base)
+                worker = RankWorker(set_up_rank(base))
                 rates = device_rates(worker.device)
-            plan = worker.resolve_local_plan(graph)
-            worker.build_runner(plan)
+            info = worker.info
+            plan = graph.plan(
+                context_length=info.context_length,
+                pool=ResolvedRequestPool(info.max_running_requests),
+                max_prefill_tokens=info.chunked_prefill_size,
+            )
+            worker.build_runners(plan, DecodePlan((), info.max_running_requests))
             gc.collect()  # the previous backend's graphs must be gone before measuring
             if worker.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -173,12 +238,10 @@ def main() -> int:
             t0 = time.perf_counter()
             mem0 = torch.cuda.memory_reserved() if worker.device.type == "cuda" else 0
             free0 = torch.cuda.mem_get_info()[0] if worker.device.type == "cuda" else 0
-            stats = [
-                worker.capture_bucket(plan, b) for b in sorted(plan.bucket_sizes, reverse=True)
-            ]
+            stats = [worker.capture("prefill", b) for b in sorted(plan.bucket_sizes, reverse=True)]
             total_s = time.perf_counter() - t0
             extra = (free0 - torch.cuda.mem_get_info()[0]) if worker.device.type == "cuda" else 0
-            failed = [s for s in stats if isinstance(s, str)]
+            failed = [str(s) for s in stats if not isinstance(s, CaptureStat)]
             captures[backend] = {
                 "seconds": round(total_s, 2),
                 "extra_device_bytes": extra,
@@ -187,7 +250,7 @@ def main() -> int:
                 "failed": failed,
             }
             for stat in stats:
-                if isinstance(stat, str):
+                if not isinstance(stat, CaptureStat):
                     continue
                 b = stat.num_tokens
                 lens = list(partition_bucket(b, args.context_length))
@@ -215,7 +278,11 @@ def main() -> int:
                         max(weight_bytes / copy_bw, flops / mm_rate) * 1e3 if copy_bw else None
                     )
                     refs[b] = eager_step()
+                    if cuda and b in count_buckets:
+                        row["eager_kernels"] = kernels_per_call(eager_step)
                 row[f"{backend}_ms"] = timed(graph_step, worker.device, args.iters)
+                if cuda and b in count_buckets:
+                    row[f"{backend}_kernels"] = kernels_per_call(graph_step)
                 if b == args.profile:
                     profile(f"{backend} bucket {b}", graph_step)
                     if f"eager_profiled_{b}" not in row:
@@ -230,27 +297,38 @@ def main() -> int:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
 
+    hf = {}
+    for tokens in [int(t) for t in args.hf_compiled.split(",") if t.strip()]:
+        hf[tokens] = hf_compiled_ms(QWEN25_15B, tokens, args.iters)
+        gc.collect()  # the reference model and its graph go before the next
+        torch.cuda.empty_cache()
+        print(f"hf compiled + cuda graph, {tokens} tokens: {hf[tokens]:.2f} ms", flush=True)
     backends = args.backends.split(",")
-    head = (
-        f"{'bucket':>6} {'reqs':>4} {'eager':>8} "
-        + " ".join(f"{b:>12} {'x':>5}" for b in backends)
-        + f" {'floor':>7}"
-    )
+    # per backend: ms, ratio to the floor, kernels per forward
+    head = f"{'bucket':>6} {'reqs':>4} {'floor':>7} {'eager':>8} {'/fl':>5} {'kern':>5}"
+    head += "".join(f" {b[:10]:>10} {'/fl':>5} {'kern':>5}" for b in backends)
     print(head)
     for b in sorted(rows):
         r = rows[b]
-        cells = [f"{r['bucket']:>6} {r['requests']:>4} {r['eager_ms']:>8.2f}"]
+        fl = r.get("floor_ms")
+
+        def cell(ms, kernels, width=8, fl=fl):
+            ratio = f"{ms / fl:>5.2f}" if fl and ms else f"{'-':>5}"
+            kern = f"{kernels:>5.0f}" if kernels else f"{'-':>5}"
+            return f" {ms:>{width}.2f} {ratio} {kern}" if ms else f" {'-':>{width}} {ratio} {kern}"
+
+        line = f"{r['bucket']:>6} {r['requests']:>4} " + (f"{fl:>7.2f}" if fl else f"{'-':>7}")
+        line += cell(r["eager_ms"], r.get("eager_kernels"))
         for be in backends:
-            ms = r.get(f"{be}_ms")
-            cells.append(f"{ms:>12.2f} {r['eager_ms'] / ms:>5.2f}" if ms else f"{'-':>12} {'-':>5}")
-        cells.append(f"{r['floor_ms']:>7.2f}" if r.get("floor_ms") else f"{'-':>7}")
-        print(" ".join(cells))
+            line += cell(r.get(f"{be}_ms"), r.get(f"{be}_kernels"), 10)
+        print(line)
     for be, c in captures.items():
         print(
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "
             f"{c['extra_device_bytes'] / 2**20:.0f} MiB extra device memory, failed {c['failed']}"
         )
-    print(f"attention: {worker.attention.name} ({worker.attention.reason})")
+    print(f"attention: {info.attention.name} ({info.attention.reason})")
+    print(f"fused kernels: {info.kernels.name} ({info.kernels.reason})")
     if rates and rates[0]:
         print(
             f"measured: copy {rates[0] / 1e12:.2f} TB/s, bf16 matmul {rates[1] / 1e12:.0f} TFLOP/s"
@@ -261,7 +339,8 @@ def main() -> int:
                         "copy_bytes_per_s": rates[0], "matmul_flops": rates[1],
                         "device": torch.cuda.get_device_name() if worker.device.type == "cuda"
                         else "cpu",
-                        "attention": worker.attention.to_json(),
+                        "attention": info.attention.to_json(),
+                        "fused_kernels": info.kernels.to_json(), "hf_compiled_ms": hf,
                         "torch": torch.__version__, "args": vars(args)}, indent=2)
         )  # fmt: skip
     return 0

@@ -71,13 +71,21 @@ class GraphConfig:
 class DecodeGraphConfig:
     """How decode steps are captured (service.decode_sizes)."""
 
-    enabled: bool = True  # decode graphs on (CUDA graphs on CUDA, recorded graphs on CPU)
+    # None ("auto"): on where CUDA graphs exist; on CPU the recorded graphs are slower than an
+    # eager decode (they read every request's whole context row), so they run only when asked
+    enabled: bool | None = None
     sizes: tuple[int, ...] | None = None  # None: service.decode_sizes.default_decode_sizes
 
-    def plan(self, max_running_requests: int) -> DecodePlan:
+    def plan(self, max_running_requests: int, device_type: str) -> DecodePlan:
         """The one mapping from this configuration to a rank's decode sizes."""
+        enabled = self.enabled if self.enabled is not None else device_type == "cuda"
+        if not enabled and self.enabled is None:
+            return DecodePlan(
+                (), max_running_requests,
+                disabled_reason="decode graphs are off on CPU by default (--decode-graphs on)",
+            )  # fmt: skip
         return resolve_decode_plan(
-            enabled=self.enabled, max_running_requests=max_running_requests, sizes=self.sizes
+            enabled=enabled, max_running_requests=max_running_requests, sizes=self.sizes
         )
 
 

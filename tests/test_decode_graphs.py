@@ -142,7 +142,7 @@ def test_padded_decode_slots_never_touch_live_kv():
 def test_a_batch_above_the_largest_size_runs_eagerly_and_says_why(tmp_path):
     server = ServerProcess(
         "--context-length", "128", "--max-running-requests", "4", "--prefill-buckets", "64",
-        "--decode-graph-sizes", "1,2", log_path=tmp_path / "log",
+        "--decode-graphs", "on", "--decode-graph-sizes", "1,2", log_path=tmp_path / "log",
     )  # fmt: skip
     try:
         info = httpx.get(server.url + "/server_info", timeout=10).json()

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from service.config import EngineConfig, GraphConfig
+from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
 from service.engine import Engine
 from service.errors import RankFailure
 from service.executors.ray import RayExecutor
@@ -32,6 +32,7 @@ def cfg(tp: int, backend: str, model: str | None = None, **kw) -> EngineConfig:
         kv_cache_memory_bytes=16 << 20,
         collective_timeout_s=kw.pop("collective_timeout_s", 60.0),
         graph=GraphConfig(backend=backend, buckets=kw.pop("buckets", (32, 128, 256)), **kw),
+        decode=DecodeGraphConfig(enabled=True),
     )
 
 

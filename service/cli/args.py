@@ -124,9 +124,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
     add_graph_arguments(p)
     p.add_argument(
         "--decode-graphs",
-        choices=("on", "off"),
-        default="on",
-        help="replay decode steps through graphs captured per decode batch size (default on)",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="replay decode steps through graphs captured per decode batch size; auto (the "
+        "default): on where CUDA graphs exist, off on CPU",
     )
     p.add_argument(
         "--decode-graph-sizes",
@@ -206,7 +207,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         graph=graph_config_from_args(args),
-        decode=DecodeGraphConfig(enabled=args.decode_graphs == "on", sizes=args.decode_graph_sizes),
+        decode=DecodeGraphConfig(
+            enabled={"auto": None, "on": True, "off": False}[args.decode_graphs],
+            sizes=args.decode_graph_sizes,
+        ),
         seed=args.seed,
         ray_address=args.ray_address,
         executor=args.executor,

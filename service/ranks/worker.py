@@ -99,7 +99,7 @@ class RankWorker:
                 pool=ResolvedRequestPool(pool),
                 max_prefill_tokens=self.info.chunked_prefill_size,
             ),
-            decode=self.setup.cfg.decode.plan(pool),
+            decode=self.setup.cfg.decode.plan(pool, self.device.type),
         )
 
     def build_runners(self, prefill: BucketPlan, decode: DecodePlan) -> None:

@@ -47,7 +47,7 @@ class FlashInferDecodeGraphAttention(FlashInferBase):
         key = (size, shape)
         if key not in self._wrappers:
             w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, backend="fa2",
                 paged_kv_indptr_buffer=self.kv_indptr[: size + 1],
                 paged_kv_indices_buffer=self.kv_indices,
                 paged_kv_last_page_len_buffer=self.kv_last_page_len[:size],

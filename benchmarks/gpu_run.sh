@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One GPU call's checks and benchmarks, on the device tool's H200 (docs/benchmarks.md lists the
+# results). Each step has its own time bound and log under $OUT; a failing step does not stop the
+# others. Run from the repository root, carrying .fiw (FlashInfer, ../shared/tools/
+# device-wheels.sh fi) and .gpuw (fastapi/uvicorn/pydantic/hypothesis wheels):
+#
+#   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$HOME/site" .fiw/*.whl .gpuw/*.whl >"$OUT/pip.txt" 2>&1 || { cat "$OUT/pip.txt"; exit 1; }
+export PYTHONPATH="$HOME/site:$PWD"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/gpu.txt"
+
+step() {  # step NAME SECONDS COMMAND...: run with a bound, log to $OUT/NAME.txt, show the tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "=== $name: rc $rc, $((SECONDS - t0)) s"
+  tail -n "${TAIL:-25}" "$OUT/$name.txt"
+}
+
+model_dir() {  # Qwen2.5-1.5B shapes from config.json alone (random bf16 weights)
+  local d=/tmp/qwen15b
+  mkdir -p $d
+  python3 -c "import json; from benchmarks.prefill_graphs import QWEN25_15B as c; print(json.dumps(c))" >$d/config.json
+  echo $d
+}
+
+step warmup 240 python3 benchmarks/fi_warmup.py
+for what in "$@"; do
+  case $what in
+    tests)
+      step gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -m gpu -x --deselect \
+        "tests/test_api.py::test_seed_scenario_on_cuda[breakable]" \
+        tests/test_kernels.py tests/test_honest_replay.py tests/test_decode_graphs.py \
+        tests/test_flashinfer.py tests/test_graph_runners.py tests/test_api.py ;;
+    decode)
+      step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
+        --context 512 --iters 50 --profile 1 --out "$OUT/decode.json" ;;
+    serve)
+      M=$(model_dir); PORT=31234
+      python3 -m service serve --executor local --model $M --load-format random \
+        --context-length 2048 --max-running-requests 64 --port $PORT >"$OUT/server.txt" 2>&1 &
+      SERVER=$!
+      for _ in $(seq 240); do
+        curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sleep 1
+      done
+      grep -E "Engine ready|Capture (prefill|decode) graphs done" "$OUT/server.txt"
+      step serve_c1 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
+        --num-requests 16 --input-len 256 --output-len 128 --concurrency 1 --out "$OUT/serve_c1.json"
+      step serve_c32 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
+        --num-requests 128 --input-len 256 --output-len 128 --concurrency 32 --out "$OUT/serve_c32.json"
+      kill $SERVER; wait $SERVER 2>/dev/null ;;
+    prefill)
+      TAIL=40 step prefill 560 python3 benchmarks/prefill_graphs.py --iters 20 \
+        --kernel-count-buckets 16,256,2048,8192 --profile 256 --hf-compiled "${HF:-}" \
+        --out "$OUT/prefill.json" ;;
+  esac
+done
