@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -21,3 +22,30 @@ class TextTokenizer:
 def load_tokenizer(model_dir: Path) -> TextTokenizer | None:
     path = model_dir / "tokenizer.json"
     return TextTokenizer(path) if path.is_file() else None
+
+
+class IncrementalDetokenizer:
+    """The text of a growing output, decoding a bounded window per step, not the whole output.
+
+    Keeps two offsets into the token list (as vLLM does): ``prefix`` where the last emitted text
+    started and ``read`` where it ended. Each step decodes ``ids[prefix:]`` and emits what it adds
+    to ``ids[prefix:read]``; a trailing U+FFFD (a multi-byte character cut in half) waits for the
+    next token. Byte-level tokenizers make the window a few tokens long.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def push(self, ids: list[int]) -> str:
+        """``ids``: the whole output so far. Returns the text it adds (maybe empty)."""
+        prefix_text = self._decode(ids[self.prefix : self.read])
+        new_text = self._decode(ids[self.prefix :])
+        if new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix, self.read = self.read, len(ids)
+        self.text += delta
+        return delta

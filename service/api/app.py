@@ -247,7 +247,12 @@ async def _collect(runtime: EngineRuntime, handles: list, request: Request) -> l
 
 
 async def _stream(runtime: EngineRuntime, handles: list, request: Request, single: bool):
+    """Server-sent events: one per step that added tokens, each with the cumulative ``text`` and
+    ``output_ids`` so far and a short ``meta_info``; the last event of a prompt carries its full
+    ``meta_info`` (finish reason, prefill graph records); then ``data: [DONE]``."""
     pending = {h.rid: (i, h) for i, h in enumerate(handles)}
+    ids: dict[str, list[int]] = {h.rid: [] for h in handles}
+    texts: dict[str, str] = {h.rid: "" for h in handles}
     try:
         while pending:
             getters = {asyncio.ensure_future(h.events.get()): (i, h) for i, h in pending.values()}
@@ -266,12 +271,21 @@ async def _stream(runtime: EngineRuntime, handles: list, request: Request, singl
                     yield f"data: {json.dumps(msg)}\n\n"
                     pending.pop(h.rid)
                     continue
-                chunk = _as_json(payload)
+                if kind == "done":
+                    chunk = _as_json(payload)
+                    pending.pop(h.rid)
+                else:
+                    ids[h.rid] += payload.token_ids
+                    texts[h.rid] += payload.text
+                    chunk = {
+                        "text": texts[h.rid],
+                        "output_ids": ids[h.rid],
+                        "meta_info": {"id": h.rid, "prompt_tokens": len(h.prompt_ids),
+                                      "completion_tokens": len(ids[h.rid])},
+                    }  # fmt: skip
                 if not single:
                     chunk["index"] = i
                 yield f"data: {json.dumps(chunk)}\n\n"
-                if kind == "done":
-                    pending.pop(h.rid)
         yield "data: [DONE]\n\n"
     finally:
         for _, h in pending.values():  # client gone mid-stream: free the engine's resources

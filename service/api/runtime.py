@@ -19,6 +19,7 @@ from service.api.metrics import Metrics
 from service.engine import Engine, GenerationOutput
 from service.errors import RankFailure
 from service.sampling import SamplingParams
+from service.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("service.runtime")
 
@@ -47,9 +48,33 @@ class Handle:
     stream: bool = False  # only streaming handles are sent partial outputs
     sent: int = 0  # output tokens already streamed
     submitted_at: float = field(default_factory=time.perf_counter)
+    detok: IncrementalDetokenizer | None = None  # streaming text, a bounded window per step
 
     def push(self, kind: str, payload: object) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one step added to a streaming request: its new token ids and text."""
+
+    token_ids: list[int]
+    text: str
+
+
+def _put_all(items: list[tuple[Handle, tuple[str, object]]]) -> None:
+    for h, event in items:
+        h.events.put_nowait(event)
+
+
+def post(items: list[tuple[Handle, tuple[str, object]]]) -> None:
+    """Hand events to their handlers' loops: one thread-safe call per loop per step (each call
+    wakes the loop through its self-pipe), not one per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for h, event in items:
+        by_loop.setdefault(h.loop, []).append((h, event))
+    for loop, group in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, group)
 
 
 class EngineRuntime:
@@ -193,20 +218,26 @@ class EngineRuntime:
             self.metrics.observe_prefill(outcome.result.record)
         if outcome.result.decode_record is not None:
             self.metrics.observe_decode(outcome.result.decode_record)
+        events: list[tuple[Handle, tuple[str, object]]] = []
         for req in outcome.batch.requests:
             h = self._handles.get(req.rid)
             if h is None or not h.stream or req.finished:
                 continue  # non-streaming handles wait for "done": no per-step detokenizing
             if len(req.output_ids) > h.sent:
+                new = req.output_ids[h.sent :]
                 h.sent = len(req.output_ids)
-                h.push("delta", engine.output_of(req))
+                if h.detok is None and engine.tokenizer is not None:
+                    h.detok = IncrementalDetokenizer(engine.tokenizer.decode)
+                text = h.detok.push(req.output_ids) if h.detok is not None else ""
+                events.append((h, ("delta", StreamDelta(new, text))))
         for req in outcome.finished:
             h = self._handles.pop(req.rid, None)
             out: GenerationOutput = engine.output_of(req)
             ttft = (req.first_token_at - req.created_at) if req.first_token_at else None
             self.metrics.observe_finished(out.meta_info, ttft)
             if h is not None:
-                h.push("done", out)
+                events.append((h, ("done", out)))
+        post(events)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

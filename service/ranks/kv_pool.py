@@ -94,20 +94,45 @@ class ReqToTokenPool:
 
 
 class TokenKVPool:
-    """K/V storage; slot allocation is decided by the coordinator (service.memory)."""
+    """K/V storage; slot allocation is decided by the coordinator (service.scheduling).
+
+    One tensor per layer holds both, (num_slots + 1, 2, Hkv, D): K and V of a token side by side,
+    as FlashInfer's combined paged layout reads them (page size 1). ``k[layer]`` and
+    ``v[layer]`` are views of it. When k and v arrive as adjacent columns of one qkv projection
+    (the model's layout), one indexed copy stores both.
+    """
 
     def __init__(self, layout: KVLayout, num_slots: int, device: torch.device) -> None:
         self.layout = layout
         self.num_slots = num_slots
-        shape = (num_slots + 1, layout.num_kv_heads, layout.head_dim)  # +1: the padding slot
-        self.k = [
+        shape = (num_slots + 1, 2, layout.num_kv_heads, layout.head_dim)  # +1: the padding slot
+        self.kv = [
             torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
         ]
-        self.v = [
-            torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
-        ]
+        self.k = [t[:, 0] for t in self.kv]
+        self.v = [t[:, 1] for t in self.kv]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # loc (T,), k/v (T, Hkv, D). Padded tokens have loc == service.memory.PADDING_SLOT.
+        # loc (T,), k/v (T, Hkv, D). Padded tokens have loc == service.padding.PADDING_SLOT.
+        both = side_by_side(k, v)
+        if both is not None and both.dtype == self.layout.dtype:
+            self.kv[layer].index_copy_(0, loc, both)  # one kernel for K and V
+            return
         self.k[layer].index_copy_(0, loc, k.to(self.layout.dtype))
         self.v[layer].index_copy_(0, loc, v.to(self.layout.dtype))
+
+
+def side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k and v (T, Hkv, D) as one (T, 2, Hkv, D) view when v starts where k ends in every row
+    (column slices of one qkv tensor), else None."""
+    t, h, d = k.shape
+    width = h * d
+    if (
+        v.shape != k.shape
+        or v.dtype != k.dtype
+        or k.stride() != v.stride()
+        or k.stride()[1:] != (d, 1)
+        or v.data_ptr() != k.data_ptr() + width * k.element_size()
+    ):
+        return None
+    return k.as_strided((t, 2, h, d), (k.stride(0), width, d, 1))

@@ -74,9 +74,10 @@ class FlashInferBase(AttentionBackend):
         self.shapes = {key: HeadShape.of(registry.spec(key)) for key in paths}
         self.head_shapes = tuple(dict.fromkeys(self.shapes.values()))  # distinct, in order
 
-    def _paged_cache(self, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        # (num_slots+1, Hkv, D) -> (pages, page_size 1, Hkv, D), FlashInfer's NHD layout
-        return self.kv.k[spec.kv_layer].unsqueeze(1), self.kv.v[spec.kv_layer].unsqueeze(1)
+    def _paged_cache(self, spec: AttentionSpec) -> torch.Tensor:
+        # (num_slots+1, 2, Hkv, D) -> (pages, 2, page_size 1, Hkv, D): FlashInfer's combined
+        # NHD layout, K and V of a page side by side
+        return self.kv.kv[spec.kv_layer].unsqueeze(2)
 
     def attend(
         self,
