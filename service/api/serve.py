@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from service.api.app import ApiSettings
 from service.config import EngineConfig
 
-
 SWITCH_INTERVAL_S = 0.001
 
 
