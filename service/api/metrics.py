@@ -104,6 +104,16 @@ class Metrics:
             f"{PREFIX}_decode_capture_bytes", "Device memory a decode size's capture added",
             ["size", "rank"], registry=r,
         )  # fmt: skip
+        self.engine_healthy = Gauge(
+            f"{PREFIX}_engine_healthy", "1 while the engine serves, 0 while failed or rebuilding",
+            registry=r,
+        )  # fmt: skip
+        self.engine_restarts = Counter(
+            f"{PREFIX}_engine_restarts", "Engine rebuilds after a failure", registry=r
+        )
+        self.failed_requests = Counter(
+            f"{PREFIX}_failed_requests", "Requests failed by an engine failure", registry=r
+        )
         self.prefill_batches.labels("hit", "none")
         for reason in MISS_REASONS:
             self.prefill_batches.labels("miss", reason)

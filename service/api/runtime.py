@@ -1,8 +1,19 @@
-"""The engine's loop thread and the bridge to asyncio handlers.
+"""The engine's loop thread and its life: start-up, steps, recovery, draining, a watchdog.
 
 One thread owns the engine: it builds it (load, agree, capture: /health says 503 meanwhile),
 then runs scheduler steps. Handlers never touch the scheduler; they post submissions and aborts
-to an inbox and receive events on an asyncio queue per request, delivered thread-safely.
+to an inbox and receive events on an asyncio queue per request (service.api.handles).
+
+- A step that raises anything fails the engine: every request gets the reason, /health turns 503,
+  and the runtime rebuilds the engine (new ranks, new groups, agreement and capture again) with a
+  bounded number of attempts and backoff, admitting again when ready. If that is impossible, or
+  start-up itself cannot succeed, :attr:`on_fatal` asks the server to exit non-zero, so that an
+  orchestrator restarts it.
+- A watchdog thread notices a step that makes no progress for longer than the step timeout (a
+  rank or the device hung where no deadline reaches): /health answers 503, the requests fail
+  with the reason, and the server exits non-zero, since a stuck thread cannot be rebuilt.
+- Draining (SIGTERM/SIGINT): new requests get 503 with Retry-After, /health says why, in-flight
+  requests finish or are aborted at the drain deadline.
 """
 
 from __future__ import annotations
@@ -13,11 +24,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from service.api.handles import Event, Failure, Handle, StreamDelta, post
 from service.api.metrics import Metrics
 from service.engine import Engine, GenerationOutput
-from service.errors import RankFailure
+from service.errors import RankFailure, RequestError
 from service.sampling import SamplingParams
 from service.tokenizer import IncrementalDetokenizer
 
@@ -25,6 +36,8 @@ log = logging.getLogger("service.runtime")
 
 IDLE_WAIT_S = 0.05
 HEALTH_CHECK_EVERY_S = 1.0
+WATCHDOG_EVERY_S = 0.5
+WATCHDOG_GRACE_S = 5.0  # beyond the step timeout, before a step counts as hung
 
 
 class QueueFull(RuntimeError):
@@ -35,69 +48,44 @@ class NotReady(RuntimeError):
     pass
 
 
-@dataclass
-class Handle:
-    """One request's channel back to its HTTP handler."""
-
-    rid: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    request: object | None = None  # the scheduler's Request, set by the loop thread
-    stream: bool = False  # only streaming handles are sent partial outputs
-    sent: int = 0  # output tokens already streamed
-    submitted_at: float = field(default_factory=time.perf_counter)
-    detok: IncrementalDetokenizer | None = None  # streaming text, a bounded window per step
-
-    def push(self, kind: str, payload: object) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """What one step added to a streaming request: its new token ids and text."""
-
-    token_ids: list[int]
-    text: str
-
-
-def _put_all(items: list[tuple[Handle, tuple[str, object]]]) -> None:
-    for h, event in items:
-        h.events.put_nowait(event)
-
-
-def post(items: list[tuple[Handle, tuple[str, object]]]) -> None:
-    """Hand events to their handlers' loops: one thread-safe call per loop per step (each call
-    wakes the loop through its self-pipe), not one per request."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-    for h, event in items:
-        by_loop.setdefault(h.loop, []).append((h, event))
-    for loop, group in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, group)
-
-
 class EngineRuntime:
     def __init__(
-        self, build: Callable[[], Engine], metrics: Metrics, max_queued_requests: int = 256
+        self,
+        build: Callable[[], Engine],
+        metrics: Metrics,
+        max_queued_requests: int = 256,
+        *,
+        restart_attempts: int = 3,
+        restart_backoff_s: float = 2.0,
+        step_timeout_s: float = 30.0,
     ) -> None:
         self._build = build
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
+        self.restart_attempts = restart_attempts
+        self.restart_backoff_s = restart_backoff_s
+        self.hang_after_s = step_timeout_s + WATCHDOG_GRACE_S
         self.engine: Engine | None = None
-        self.state = "starting"  # starting -> ready | failed
+        # starting -> ready <-> recovering; draining; failed (fatal)
+        self.state = "starting"
         self.error: str | None = None
+        self.on_fatal: Callable[[str], None] = lambda reason: None
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[str, Handle] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="watchdog", daemon=True)
         self._counter = 0
         self._lock = threading.Lock()
         self._last_health = 0.0
+        self._step_started: float | None = None
+        self._draining = False
+        self._max_running = 0
 
-    # ---- called from handlers ----------------------------------------------------------------
+    # ---- called from handlers and the server ----------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._watchdog.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -108,16 +96,33 @@ class EngineRuntime:
     def health(self) -> str | None:
         if self.state == "starting":
             return "starting: loading the model and capturing prefill graphs"
-        if self.state == "failed":
-            return f"failed: {self.error}"
+        if self.state in ("failed", "recovering"):
+            return f"{self.state}: {self.error}"
+        if self._draining:
+            return "draining: the server is shutting down"
         return self.engine.failure if self.engine else "no engine"
 
     def ready_engine(self) -> Engine:
+        if self._draining:
+            raise NotReady("the server is shutting down; retry on another replica")
         if self.state != "ready" or self.engine is None:
             raise NotReady(self.health() or "not ready")
         if self.engine.failure:
             raise NotReady(f"unhealthy: {self.engine.failure}")
         return self.engine
+
+    @property
+    def max_prompts(self) -> int:
+        """The most prompts one request may hold: what can run and queue at once."""
+        return self._max_running + self.max_queued_requests
+
+    def check_prompt_count(self, n: int) -> None:
+        if n > self.max_prompts:
+            raise RequestError(
+                f"the request holds {n} prompts; the server takes at most {self.max_prompts} at "
+                f"once (max running {self._max_running} + max queued "
+                f"{self.max_queued_requests}); split it into smaller requests"
+            )
 
     def submit(
         self,
@@ -125,6 +130,7 @@ class EngineRuntime:
         params: list[SamplingParams],
         loop: asyncio.AbstractEventLoop,
         stream: bool = False,
+        probe: bool = False,
     ) -> list[Handle]:
         """Queue the prompts of one HTTP request together, all or none.
 
@@ -132,10 +138,11 @@ class EngineRuntime:
         batch with only some of them (the seed's two prompts must prefill as one batch).
         """
         engine = self.ready_engine()
+        self.check_prompt_count(len(prompts))
         for ids in prompts:
             engine.scheduler.validate(ids)  # pure read of start-up constants
         with self._lock:
-            limit = engine.resolved.max_running_requests + self.max_queued_requests
+            limit = self.max_prompts
             if len(self._handles) + len(prompts) > limit:
                 raise QueueFull(
                     f"{len(self._handles)} requests are running or queued (limit {limit}); "
@@ -144,7 +151,9 @@ class EngineRuntime:
             handles = []
             for ids, p in zip(prompts, params, strict=True):
                 self._counter += 1
-                handles.append(Handle(f"req-{self._counter}", ids, p, loop, stream=stream))
+                handles.append(
+                    Handle(f"req-{self._counter}", ids, p, loop, stream=stream, probe=probe)
+                )
             self._handles.update((h.rid, h) for h in handles)
         self._inbox.put(("submit", handles))
         return handles
@@ -152,16 +161,36 @@ class EngineRuntime:
     def abort(self, rid: str, reason: str) -> None:
         self._inbox.put(("abort", (rid, reason)))
 
+    def begin_drain(self) -> None:
+        """Stop admitting: new requests get 503, /health says the server is shutting down."""
+        self._draining = True
+        log.info("Draining: %d requests in flight", len(self._handles))
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for in-flight requests to finish, then abort the rest.
+        Returns how many were aborted."""
+        deadline = time.monotonic() + timeout_s
+        while self._handles and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        with self._lock:
+            left = list(self._handles)
+        for rid in left:
+            self.abort(rid, f"server shut down after its {timeout_s:g} s drain")
+        wait_until = time.monotonic() + 5.0  # the aborts reach the loop thread, and answers go
+        while self._handles and time.monotonic() < wait_until and self._thread.is_alive():
+            time.sleep(0.05)
+        if left:
+            log.warning("Drain deadline: aborted %d requests", len(left))
+        return len(left)
+
     # ---- the loop thread ---------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.engine = self._build()
-            self.metrics.set_resolved(self.engine.resolved)
-            self.state = "ready"
-            log.info("Service ready")
+            self._set_engine(self._build())
         except Exception as exc:
-            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.state, self.error = "failed", f"start-up failed: {type(exc).__name__}: {exc}"
             log.exception("Engine start-up failed")
+            self.on_fatal(self.error)
             return
         while not self._stop.is_set():
             try:
@@ -173,23 +202,65 @@ class EngineRuntime:
                 if not isinstance(exc, RankFailure):
                     log.exception("Engine loop failed")
                 self.engine.fail(reason)
-                self._fail_all(self.engine.failure or reason)
+            finally:
+                self._step_started = None
+            if self.engine.failure and not self._stop.is_set():
+                self._recover(self.engine.failure)
+                if self.state == "failed":
+                    return
+
+    def _set_engine(self, engine: Engine) -> None:
+        self.engine = engine
+        self._max_running = engine.resolved.max_running_requests
+        self.metrics.set_resolved(engine.resolved)
+        self.metrics.engine_healthy.set(1)
+        self.state, self.error = "ready", None
+        log.info("Service ready")
+
+    def _recover(self, reason: str) -> None:
+        """Fail every request with ``reason``, then rebuild the engine, with backoff."""
+        self.metrics.engine_healthy.set(0)
+        self.state, self.error = "recovering", f"engine failed ({reason}); rebuilding it"
+        self._fail_all(reason)
+        try:
+            self.engine.shutdown()  # the failed engine stays for health() until replaced
+        except Exception:
+            log.exception("Shutting down the failed engine")
+        for attempt in range(1, self.restart_attempts + 1):
+            if self._stop.wait(self.restart_backoff_s * 2 ** (attempt - 1)):
+                return
+            self.error = f"rebuilding the engine (attempt {attempt}/{self.restart_attempts}) " \
+                         f"after: {reason}"  # fmt: skip
+            log.warning("Engine restart %d/%d after: %s", attempt, self.restart_attempts, reason)
+            try:
+                engine = self._build()
+            except Exception as exc:
+                log.error("Engine restart %d failed: %s: %s", attempt, type(exc).__name__, exc)
+                continue
+            self.metrics.engine_restarts.inc()
+            self._set_engine(engine)
+            return
+        self.state = "failed"
+        self.error = f"the engine could not be rebuilt in {self.restart_attempts} attempts " \
+                     f"after: {reason}"  # fmt: skip
+        log.error("%s", self.error)
+        self.on_fatal(self.error)
 
     def _turn(self) -> None:
         """One turn of the loop: take submissions, check health, run one step, deliver."""
-        self._drain(block=not self.engine.scheduler.has_work)
+        self._take(block=not self.engine.scheduler.has_work)
         self._check_health()
-        if self.engine.failure:
-            self._fail_all(self.engine.failure)
+        if self.engine.failure or not self.engine.scheduler.has_work:
             return
-        if not self.engine.scheduler.has_work:
-            return
+        self._step_started = time.monotonic()
         outcome = self.engine.step()
+        self._step_started = None
         if outcome is not None:
             self._deliver(outcome)
         self._gauges()
 
-    def _drain(self, block: bool) -> None:
+    def _take(self, block: bool) -> None:
+        """Submissions and aborts from the handlers, into the scheduler."""
         try:
             item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -205,7 +276,10 @@ class EngineRuntime:
                 if h is not None and h.request is not None:
                     self.engine.scheduler.abort(h.request, reason)
                     log.info("Aborted %s: %s", rid, reason)
-                    self.metrics.observe_finished(self.engine.output_of(h.request).meta_info, None)
+                    if not h.probe:
+                        meta = self.engine.output_of(h.request).meta_info
+                        self.metrics.observe_finished(meta, None)
+                    h.push("error", Failure(reason, retryable=self._draining))
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -218,7 +292,7 @@ class EngineRuntime:
             self.metrics.observe_prefill(outcome.result.record)
         if outcome.result.decode_record is not None:
             self.metrics.observe_decode(outcome.result.decode_record)
-        events: list[tuple[Handle, tuple[str, object]]] = []
+        events: list[Event] = []
         for req in outcome.batch.requests:
             h = self._handles.get(req.rid)
             if h is None or not h.stream or req.finished:
@@ -233,26 +307,28 @@ class EngineRuntime:
         for req in outcome.finished:
             h = self._handles.pop(req.rid, None)
             out: GenerationOutput = engine.output_of(req)
-            ttft = (req.first_token_at - req.created_at) if req.first_token_at else None
-            self.metrics.observe_finished(out.meta_info, ttft)
+            if h is None or not h.probe:
+                ttft = (req.first_token_at - req.created_at) if req.first_token_at else None
+                self.metrics.observe_finished(out.meta_info, ttft)
             if h is not None:
                 events.append((h, ("done", out)))
         post(events)
 
     def _fail_all(self, reason: str) -> None:
+        """Every request in flight, and whatever raced into the inbox, gets the error."""
         with self._lock:
             handles, self._handles = list(self._handles.values()), {}
-        for h in handles:
-            h.push("error", reason)
-        # new submissions are refused by ready_engine(); drop whatever raced in
         while True:
             try:
-                kind, payload = self._inbox.get(timeout=IDLE_WAIT_S)
+                kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if kind == "submit":
-                for h in payload:
-                    h.push("error", reason)
+                handles += payload
+        post([(h, ("error", Failure(reason, retryable=False))) for h in handles])
+        failed = sum(1 for h in handles if not h.probe)
+        if failed:
+            self.metrics.failed_requests.inc(failed)
 
     def _check_health(self) -> None:
         now = time.monotonic()
@@ -265,3 +341,22 @@ class EngineRuntime:
         self.metrics.running.set(len(s.running))
         self.metrics.queued.set(len(s.waiting))
         self.metrics.kv_usage.set(s.kv_usage)
+
+    # ---- the watchdog thread -----------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCHDOG_EVERY_S):
+            started = self._step_started
+            if started is None or self.state != "ready":
+                continue
+            stuck = time.monotonic() - started
+            if stuck > self.hang_after_s:
+                reason = (
+                    f"a step made no progress for {stuck:.0f} s (step timeout "
+                    f"{self.hang_after_s - WATCHDOG_GRACE_S:g} s); the engine is hung"
+                )
+                log.error("Watchdog: %s", reason)
+                self.metrics.engine_healthy.set(0)
+                self.state, self.error = "failed", reason
+                self._fail_all(reason)
+                self.on_fatal(reason)
+                return

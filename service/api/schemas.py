@@ -8,9 +8,10 @@ from service.sampling import SamplingParams
 
 
 class SamplingParamsIn(BaseModel):
-    """Unknown fields are refused (a typo must not be silently ignored)."""
+    """Unknown fields are refused (a typo must not be silently ignored), and types are strict:
+    ``"1"`` or ``true`` is not a count, nor an int a flag."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -36,9 +37,10 @@ class SamplingParamsIn(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """`text` or `input_ids`, one prompt or a list; unknown top-level fields are ignored."""
+    """`text` or `input_ids`, one prompt or a list. Unknown top-level fields are refused (a
+    misspelt ``sampling_param`` must not run with defaults); types are strict."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None

@@ -1,20 +1,30 @@
 """The HTTP server: uvicorn over the FastAPI app and the engine's loop thread.
 
 The HTTP port opens at once; `/health` answers 503 while the model loads and graphs capture,
-then 200. SIGTERM stops accepting connections and lets in-flight requests finish (up to the
-graceful-shutdown timeout) before the ranks are shut down.
+then 200. SIGTERM or SIGINT drains: new requests get 503 with Retry-After and `/health` says the
+server is shutting down, in-flight requests finish (or are aborted at
+``--graceful-shutdown-timeout``), then the server closes, stops its rank actors and any Ray
+processes it started, and exits 0. A second signal exits at once. An engine that cannot start,
+or cannot be rebuilt after a failure, exits non-zero so that an orchestrator restarts it.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from service.api.app import ApiSettings
 from service.config import EngineConfig
 
+log = logging.getLogger("service.api")
+
+# The engine loop and the HTTP event loop are two threads of one process. When a step's device
+# work ends, the engine thread waits for the interpreter lock while the event loop streams;
+# Python hands the lock over every switch interval (5 ms by default), which would add up to 5 ms
+# to every step under load. 1 ms bounds that wait.
 SWITCH_INTERVAL_S = 0.001
 
 
@@ -24,6 +34,7 @@ class ServeOptions:
     port: int = 30000
     max_queued_requests: int = 256
     graceful_shutdown_timeout_s: float = 30.0
+    restart_attempts: int = 3
 
 
 def build_app(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions):
@@ -35,7 +46,11 @@ def build_app(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions):
     from service.engine import Engine
 
     runtime = EngineRuntime(
-        lambda: Engine(cfg), Metrics(), max_queued_requests=options.max_queued_requests
+        lambda: Engine(cfg),
+        Metrics(),
+        max_queued_requests=options.max_queued_requests,
+        restart_attempts=options.restart_attempts,
+        step_timeout_s=cfg.step_timeout_s,
     )
     app: FastAPI = create_app(runtime, settings)
 
@@ -55,18 +70,44 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
     from service.logs import setup_logging
 
     setup_logging(logging.INFO)
-    # The engine loop and the HTTP event loop are two threads of one process. When a step's
-    # device work ends, the engine thread waits for the interpreter lock while the event loop
-    # streams; Python hands the lock over every switch interval (5 ms by default), which would
-    # add up to 5 ms to every step under load. 1 ms bounds that wait.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    app, _ = build_app(cfg, settings, options)
-    logging.getLogger("service.api").info("Serving on http://%s:%d", options.host, options.port)
-    uvicorn.run(
-        app,
-        host=options.host,
-        port=options.port,
-        log_level="warning",
-        timeout_graceful_shutdown=int(options.graceful_shutdown_timeout_s),
+    app, runtime = build_app(cfg, settings, options)
+
+    class Server(uvicorn.Server):
+        """uvicorn that drains before it closes, and exits non-zero on a fatal engine error."""
+
+        exit_code = 0
+        draining = False
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.draining:  # a second signal: stop now
+                super().handle_exit(sig, frame)
+                return
+            self.draining = True
+            log.info("Signal %d: draining for up to %g s", sig, options.graceful_shutdown_timeout_s)
+            runtime.begin_drain()
+            threading.Thread(target=self._drain_then_exit, name="drain", daemon=True).start()
+
+        def _drain_then_exit(self) -> None:
+            runtime.drain(options.graceful_shutdown_timeout_s)
+            self.should_exit = True
+
+        def fatal(self, reason: str) -> None:
+            log.error("Exiting: %s", reason)
+            self.exit_code = 1
+            self.should_exit = True
+
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=options.host,
+            port=options.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
     )
-    return 0
+    runtime.on_fatal = server.fatal
+    log.info("Serving on http://%s:%d", options.host, options.port)
+    server.run()
+    log.info("Server stopped (exit code %d)", server.exit_code)
+    return server.exit_code

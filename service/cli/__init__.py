@@ -51,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=positive_int, default=256)
     serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)
     serve.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a request body may take to arrive before the request fails with 408 "
+        "(default 30)",
+    )
+    serve.add_argument(
+        "--restart-attempts",
+        type=positive_int,
+        default=3,
+        help="rebuilds of a failed engine before the server exits non-zero (default 3)",
+    )
+    serve.add_argument(
         "--graceful-shutdown-timeout",
         type=positive_float,
         default=30.0,

@@ -13,11 +13,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     return serve(
         engine_config_from_args(args),
-        ApiSettings(api_key=args.api_key, max_body_bytes=args.max_body_bytes),
+        ApiSettings(
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout,
+        ),
         ServeOptions(
             host=args.host,
             port=args.port,
             max_queued_requests=args.max_queued_requests,
             graceful_shutdown_timeout_s=args.graceful_shutdown_timeout,
+            restart_attempts=args.restart_attempts,
         ),
     )
