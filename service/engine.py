@@ -144,6 +144,12 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer.json; send input_ids, not text")
+            floor = self.tokenizer.min_tokens(prompt)
+            if floor > self.resolved.context_length:  # refused before any tokenizing work
+                raise RequestError(
+                    f"the prompt has at least {floor} tokens, more than the context length "
+                    f"{self.resolved.context_length}; shorten the prompt or raise --context-length"
+                )
             return self.tokenizer.encode(prompt)
         return list(prompt)
 

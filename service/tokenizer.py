@@ -11,9 +11,19 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
+        # the longest vocabulary entry, in characters: no token covers more of a text (byte-level
+        # entries are at least as long as the text they stand for)
+        self.max_token_chars = max((len(t) for t in self._tok.get_vocab()), default=1)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the interpreter lock while the Rust tokenizer works (encode
+        # holds it): a long text then never stalls the server's other threads
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of ``text``, without tokenizing it (half the exact bound,
+        for normalizers that change the length)."""
+        return len(text) // (2 * self.max_token_chars)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

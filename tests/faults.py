@@ -110,10 +110,12 @@ class FaultyLocalExecutor(LocalExecutor):
         faults: RankFaults = RankFaults(),
         raise_on_forward: int | None = None,
         forward_error: Exception | None = None,
+        hang_on_forward: int | None = None,
     ) -> None:
         super().__init__(cfg)
         self.faults = faults
         self.raise_on_forward = raise_on_forward
+        self.hang_on_forward = hang_on_forward
         self.forward_error = forward_error or ValueError("injected forward failure")
         self.forwards = 0
 
@@ -126,6 +128,8 @@ class FaultyLocalExecutor(LocalExecutor):
         self.forwards += 1
         if self.raise_on_forward is not None and self.forwards >= self.raise_on_forward:
             raise self.forward_error
+        if self.hang_on_forward is not None and self.forwards >= self.hang_on_forward:
+            time.sleep(3600)  # a device that never returns: only the watchdog notices
         return super().execute(cmd)
 
 

@@ -164,8 +164,12 @@ def test_overlay_node_shape(overlay, gpus, arch, tp, replicas):
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
     assert "livenessProbe" in container
-    assert container["lifecycle"]["preStop"]["exec"]["command"]
-    assert head["terminationGracePeriodSeconds"] >= 60
+    # the pod's grace covers the preStop sleep, the server's drain and the rank shutdown
+    pre_stop = " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+    sleep_s = int(re.search(r"sleep (\d+)", pre_stop).group(1))
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "--graceful-shutdown-timeout $(DRAIN_SECONDS)" in " ".join(container["args"])
+    assert head["terminationGracePeriodSeconds"] >= sleep_s + int(env["DRAIN_SECONDS"]) + 15
     shm = [v for v in worker["volumes"] if v["name"] == "dshm"]
     assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
     key_env = [e for e in container["env"] if e["name"] == "CAPTURE_SERVICE_API_KEY"]

@@ -1,12 +1,15 @@
-"""The engine loop never dies silently: a step that raises anything fails the engine loudly."""
+"""The engine loop never dies silently: a failed step fails its requests loudly, the engine is
+rebuilt, and a hung step (where no deadline reaches) is caught by the watchdog."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
 from fastapi.testclient import TestClient
 
+from service.api import runtime as runtime_module
 from service.api.app import ApiSettings, create_app
 from service.api.metrics import Metrics
 from service.api.runtime import EngineRuntime
@@ -14,35 +17,106 @@ from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from tests.faults import FaultyLocalExecutor
 
+CFG = EngineConfig(device="cpu", context_length=128, kv_cache_memory_bytes=16 << 20,
+                   graph=GraphConfig(backend="breakable", buckets=(64,)))  # fmt: skip
+BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5}}
 
-def test_an_exception_in_a_step_fails_requests_and_health():
-    cfg = EngineConfig(device="cpu", context_length=128, kv_cache_memory_bytes=16 << 20,
-                       graph=GraphConfig(backend="breakable", buckets=(64,)))  # fmt: skip
-    # forward 1 is the prefill; forward 2, the first decode step, raises a plain ValueError
-    runtime = EngineRuntime(
-        lambda: Engine(cfg, executor=FaultyLocalExecutor(cfg, raise_on_forward=2)), Metrics()
-    )
+
+def post(client: TestClient, body: dict, timeout: float = 60) -> object:
+    """A POST that cannot hang the test: a dead engine loop would never answer."""
+    answers: list = []
+    t = threading.Thread(target=lambda: answers.append(client.post("/generate", json=body)))
+    t.start()
+    t.join(timeout)
+    assert answers, "the request hung: the engine loop died without failing it"
+    return answers[0]
+
+
+def wait_health(client: TestClient, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get("/health").status_code != status:
+        assert time.monotonic() < deadline, client.get("/health").text
+        time.sleep(0.05)
+
+
+def test_an_exception_in_a_step_fails_requests_then_the_engine_is_rebuilt():
+    builds = itertools.count()
+
+    def build() -> Engine:
+        # the first engine's first decode step (forward 2) raises a plain ValueError
+        n = next(builds)
+        return Engine(
+            CFG, executor=FaultyLocalExecutor(CFG, raise_on_forward=2 if n == 0 else None)
+        )
+
+    metrics = Metrics()
+    runtime = EngineRuntime(build, metrics, restart_backoff_s=0.5)
+    fatal: list[str] = []
+    runtime.on_fatal = fatal.append
     client = TestClient(create_app(runtime, ApiSettings()))
     runtime.start()
     try:
-        deadline = time.monotonic() + 120
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/health").text
-            time.sleep(0.1)
-        answers: list = []
-        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5}}
-        post = threading.Thread(target=lambda: answers.append(client.post("/generate", json=body)))
-        post.start()
-        post.join(timeout=60)
-        assert answers, "the request hung: the engine loop died without failing it"
-        (r,) = answers
+        wait_health(client, 200, 120)
+        r = post(client, BODY)
         assert r.status_code == 500
         assert "ValueError: injected forward failure" in r.json()["error"]["message"]
         health = client.get("/health")
-        assert health.status_code == 503
-        assert "ValueError: injected forward failure" in health.json()["error"]["message"]
-        again = client.post("/generate", json={"input_ids": [1]})
-        assert again.status_code == 503 and "injected" in again.json()["error"]["message"]
-        assert runtime._thread.is_alive()  # the loop thread lives on to answer and refuse
+        assert health.status_code == 503 and "ValueError" in health.json()["error"]["message"]
+        assert post(client, {"input_ids": [1]}).status_code == 503
+        wait_health(client, 200, 60)  # rebuilt
+        assert post(client, BODY).status_code == 200
+        text = metrics.render().decode()
+        assert "capture_service_engine_restarts_total 1.0" in text
+        assert "capture_service_failed_requests_total 1.0" in text
+        assert "capture_service_engine_healthy 1.0" in text
+        assert not fatal
     finally:
         runtime.stop()
+
+
+def test_an_engine_that_cannot_be_rebuilt_exits_non_zero():
+    builds = itertools.count()
+
+    def build() -> Engine:
+        if next(builds) > 0:
+            raise RuntimeError("the device is gone")
+        return Engine(CFG, executor=FaultyLocalExecutor(CFG, raise_on_forward=1))
+
+    runtime = EngineRuntime(build, Metrics(), restart_attempts=2, restart_backoff_s=0.1)
+    fatal: list[str] = []
+    runtime.on_fatal = fatal.append
+    client = TestClient(create_app(runtime, ApiSettings()))
+    runtime.start()
+    try:
+        wait_health(client, 200, 120)
+        assert post(client, BODY).status_code == 500
+        deadline = time.monotonic() + 30
+        while not fatal and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fatal and "could not be rebuilt in 2 attempts" in fatal[0]
+        assert "failed" in client.get("/health").json()["error"]["message"]
+    finally:
+        runtime.stop()
+
+
+def test_the_watchdog_catches_a_step_that_never_returns(monkeypatch):
+    monkeypatch.setattr(runtime_module, "WATCHDOG_GRACE_S", 0.5)
+    runtime = EngineRuntime(
+        lambda: Engine(CFG, executor=FaultyLocalExecutor(CFG, hang_on_forward=2)),
+        Metrics(),
+        step_timeout_s=1.0,
+    )
+    fatal: list[str] = []
+    runtime.on_fatal = fatal.append
+    client = TestClient(create_app(runtime, ApiSettings()))
+    runtime.start()
+    try:
+        wait_health(client, 200, 120)
+        t0 = time.monotonic()
+        r = post(client, BODY, timeout=20)
+        assert r.status_code == 500 and "no progress" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5  # within the step timeout and the grace
+        assert client.get("/health").status_code == 503
+        assert fatal and "the engine is hung" in fatal[0]  # a stuck thread: exit, be restarted
+    finally:
+        runtime._stop.set()  # the hung loop thread is a daemon; nothing to join

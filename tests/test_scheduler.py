@@ -42,3 +42,43 @@ def test_without_graphs_the_budget_is_the_chunked_prefill_size():
     s.add([1] * 200, SamplingParams(max_new_tokens=1))
     s.add([2] * 10, SamplingParams(max_new_tokens=1))
     assert prefill_batches(s) == [(210, False)]
+
+
+def test_a_slot_freed_twice_is_refused():
+    """A double free would hand the same KV slots to two requests: it fails loudly."""
+    import pytest
+
+    from service.scheduling.allocators import SlotAllocator
+
+    a = SlotAllocator(8)
+    got = a.alloc(3)
+    a.free(got)
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(got[:1])
+    with pytest.raises(ValueError, match="out of range"):
+        a.free([0])  # the padding slot is never handed out
+    assert a.num_free == 8
+
+
+def test_running_out_of_kv_retracts_instead_of_aborting():
+    """Decode that runs out of KV gives the last-admitted request's KV back and requeues it; it
+    resumes by recomputing, nothing is lost, and every request gets all its tokens, the same
+    greedy tokens as with plenty of KV."""
+    from service.config import EngineConfig, GraphConfig
+    from service.engine import Engine
+
+    def run(kv_bytes: int) -> tuple[list[list[int]], Engine]:
+        e = Engine(EngineConfig(device="cpu", dtype="float32", context_length=64,
+                                max_running_requests=4, kv_cache_memory_bytes=kv_bytes,
+                                graph=GraphConfig(backend="eager")))  # fmt: skip
+        prompts = [[(7 * i + j) % 256 for j in range(10)] for i in range(3)]
+        outs = e.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        return [o.output_ids for o in outs], e
+
+    # the built-in model keeps 4 KiB of K/V per token: 65 slots hold 130 of the 150 tokens
+    tight, e = run(66 * 4096)
+    assert e.resolved.num_kv_slots == 65
+    assert e.scheduler.num_retractions >= 1
+    assert all(len(ids) == 40 for ids in tight)
+    plenty, _ = run(16 << 20)
+    assert tight == plenty

@@ -56,6 +56,12 @@ def create_app(runtime: EngineRuntime, settings: ApiSettings) -> FastAPI:
     async def body_rejected(_: Request, exc: BodyRejected):
         return error_response(exc.status, exc.message)
 
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        # a bug, never a client's fault: logged with its trace, answered in the API's shape
+        log.exception("Unhandled error: %s", exc)
+        return error_response(500, f"internal error ({type(exc).__name__}); see the server log")
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError):
         errors = exc.errors()

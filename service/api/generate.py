@@ -63,6 +63,13 @@ def check_text(text: str, where: str = "text") -> None:
 def prepare(runtime: EngineRuntime, raw: bytes) -> Prepared:
     """The body to prompts and sampling parameters, or an :class:`ApiError` saying what to change.
     Runs in a worker thread."""
+    try:
+        return _prepare(runtime, raw)
+    except RequestError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def _prepare(runtime: EngineRuntime, raw: bytes) -> Prepared:
     data = parse_json(raw)
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object with 'text' or 'input_ids'")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from service.api.app import ApiSettings
 from service.config import EngineConfig
+from service.executors import uses_ray
 
 log = logging.getLogger("service.api")
 
@@ -71,6 +72,17 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
 
     setup_logging(logging.INFO)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    if uses_ray(cfg):
+        # Ray's core worker installs its own SIGTERM/SIGINT handlers (which end the process at
+        # once) when it connects: connect here, in the main thread, before uvicorn installs the
+        # handlers that drain, so that theirs are replaced and ours stay.
+        from service.executors.ray import ensure_ray
+
+        try:
+            ensure_ray(cfg.ray_address)
+        except Exception as exc:
+            log.error("start-up failed: cannot reach Ray (%s: %s)", type(exc).__name__, exc)
+            return 1
     app, runtime = build_app(cfg, settings, options)
 
     class Server(uvicorn.Server):
@@ -109,5 +121,9 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
     runtime.on_fatal = server.fatal
     log.info("Serving on http://%s:%d", options.host, options.port)
     server.run()
+    if uses_ray(cfg):  # the actors went with the engine; the Ray processes this server started
+        import ray
+
+        ray.shutdown()
     log.info("Server stopped (exit code %d)", server.exit_code)
     return server.exit_code

@@ -6,11 +6,15 @@ from service.config import EngineConfig
 from service.executors.base import Executor
 
 
+def uses_ray(cfg: EngineConfig) -> bool:
+    """Ray for several ranks or a cluster, or when asked; in-process for one local rank."""
+    return cfg.executor == "ray" or (
+        cfg.executor == "auto" and (cfg.tp > 1 or cfg.ray_address is not None)
+    )
+
+
 def make_executor(cfg: EngineConfig) -> Executor:
-    """In-process for one local rank; Ray for several ranks or a cluster (or when asked)."""
-    if cfg.executor == "local" or (
-        cfg.executor == "auto" and cfg.tp == 1 and cfg.ray_address is None
-    ):
+    if not uses_ray(cfg):
         from service.executors.local import LocalExecutor
 
         return LocalExecutor(cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -32,12 +33,18 @@ PING_TIMEOUT_S = 5.0
 
 
 def ensure_ray(address: str | None) -> bool:
-    """Connect to Ray (local on loopback, or the given cluster); True if this call started it."""
+    """Connect to Ray (a new local instance, or the given cluster); True if this call started it.
+
+    Call it from a thread that lives as long as Ray is used (the main thread of a server): Ray
+    ties the processes it starts to the life of the starting thread. A cluster address is checked
+    first with a TCP connect to its GCS, since ``ray.init`` against an unreachable cluster retries
+    for minutes.
+    """
     import ray
 
     if ray.is_initialized():
         return False
-    if address is None:  # a new local instance on loopback only, never a recorded cluster
+    if address is None:  # a new local instance on loopback, never a recorded cluster
         ray.init(
             address="local",
             include_dashboard=False,
@@ -45,9 +52,24 @@ def ensure_ray(address: str | None) -> bool:
             logging_level=logging.WARNING,
             _node_ip_address="127.0.0.1",
         )
-    else:
-        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+        return True
+    check_reachable(address)
+    ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
     return True
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A ``host:port`` cluster address must accept a TCP connection (its GCS port)."""
+    if "://" in address or address in ("auto", "local") or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        raise RankFailure(
+            f"the Ray cluster at {address} is not reachable ({exc}); check --ray-address"
+        ) from None
 
 
 class RayExecutor(Executor):

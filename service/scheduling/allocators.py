@@ -29,11 +29,16 @@ class RowAllocator:
 
 
 class SlotAllocator:
-    """KV token slots 1..num_slots (slot 0 is the padding slot)."""
+    """KV token slots 1..num_slots (slot 0 is the padding slot).
+
+    Freeing a slot that is free already (or out of range) raises: one such bug would otherwise
+    hand the same KV slots to two requests, which then overwrite each other silently.
+    """
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self._free = list(range(num_slots, PADDING_SLOT, -1))
+        self._is_free = set(self._free)
 
     @property
     def num_free(self) -> int:
@@ -48,7 +53,13 @@ class SlotAllocator:
             return None
         out = self._free[len(self._free) - n :][::-1]
         del self._free[len(self._free) - n :]
+        self._is_free.difference_update(out)
         return out
 
     def free(self, slots: list[int]) -> None:
+        bad = [s for s in slots if s in self._is_free or not PADDING_SLOT < s <= self.num_slots]
+        if bad or len(set(slots)) != len(slots):
+            raise ValueError(f"KV slots {sorted(set(bad))[:5] or slots[:5]} freed twice or out of "
+                             "range")  # fmt: skip
         self._free.extend(reversed(slots))
+        self._is_free.update(slots)

@@ -59,6 +59,15 @@ class Request:
     prefill_records: list[GraphRecord] = field(default_factory=list)
     decode_graph_steps: int = 0  # decode steps of this request that replayed a graph
     decode_eager_steps: int = 0  # ... and that ran eagerly
+    # what its prefill computes: the prompt, or after a retraction the prompt and the tokens
+    # generated so far (its KV was given up; it resumes by recomputing it)
+    prefill_ids: list[int] = field(default_factory=list)
+    retractions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_ids:
+            self.prefill_ids = list(self.prompt_ids)
+
     created_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -71,3 +80,12 @@ class Request:
     @property
     def num_cached(self) -> int:
         return len(self.slots)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_prefilled >= len(self.prefill_ids)
+
+    def remaining_tokens(self, context_length: int) -> int:
+        """Tokens it may still generate: its limit, or the room left in its context."""
+        left = self.sampling.max_new_tokens - len(self.output_ids)
+        return max(0, min(left, context_length - len(self.prompt_ids) - len(self.output_ids)))

@@ -8,6 +8,7 @@ decision here, once, from the agreed plan, and the same command goes to every ra
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -21,6 +22,10 @@ from service.errors import RequestError
 from service.sampling import SamplingParams
 from service.scheduling.allocators import RowAllocator, SlotAllocator
 from service.scheduling.request import FinishReason, Request
+
+# the share of a request's remaining token limit that admission keeps free in the KV cache:
+# clients rarely use all of max_new_tokens, and retraction catches the cases that do
+NEW_TOKEN_RATIO = 0.5
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._counter = 0
+        self.num_retractions = 0  # requests that gave up their KV to let others decode
 
     # ---- admission ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int]) -> None:
@@ -107,6 +113,13 @@ class Scheduler:
                 cap = min(cap, self.plan.capture_request_capacity)
         return budget, cap
 
+    def _reserve(self, reqs: list[Request]) -> int:
+        """KV slots to keep free for the decode of ``reqs``: an estimate of their output
+        (NEW_TOKEN_RATIO of what they may still generate); retraction covers a wrong estimate."""
+        return sum(
+            math.ceil(r.remaining_tokens(self.context_length) * NEW_TOKEN_RATIO) for r in reqs
+        )
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget, max_requests = self._limits()
         reqs: list[Request] = []
@@ -114,10 +127,16 @@ class Scheduler:
         writes: list[RowWrite] = []
         input_ids: list[int] = []
         locs: list[int] = []
+        reserve = self._reserve(self.running)
         for req in self.waiting:
             if budget == 0 or len(reqs) == max_requests:
                 break
-            n = min(len(req.prompt_ids) - req.num_prefilled, budget)
+            n = min(len(req.prefill_ids) - req.num_prefilled, budget)
+            # admit only with room left for the expected output of everything admitted; a
+            # batch with nothing running yet always takes its first request
+            reserve += self._reserve([req])
+            if self.slots.num_free - n < reserve and (self.running or reqs):
+                break
             new_row = req.row is None
             if new_row:
                 req.row = self.rows.alloc()
@@ -130,7 +149,7 @@ class Scheduler:
                     req.row = None
                 break
             writes.append(RowWrite(req.row, req.num_cached, tuple(slots)))
-            input_ids += req.prompt_ids[req.num_prefilled : req.num_prefilled + n]
+            input_ids += req.prefill_ids[req.num_prefilled : req.num_prefilled + n]
             locs += slots
             req.slots += slots
             reqs.append(req)
@@ -154,15 +173,20 @@ class Scheduler:
         return ScheduledBatch(cmd, tuple(reqs), tuple(chunks))
 
     def _schedule_decode(self) -> ScheduledBatch | None:
+        for req in list(self.running):
+            if req.num_cached >= self.context_length:
+                self._finish(req, FinishReason.at_length(len(req.output_ids)))
+        self.running = [r for r in self.running if not r.finished]
+        # one new KV slot per running request: when the cache cannot give that, the requests
+        # admitted last give theirs up (retraction) until it can; one request always remains
+        while len(self.running) > 1 and self.slots.num_free < len(self.running):
+            self._retract(self.running[-1])
         reqs: list[Request] = []
         writes: list[RowWrite] = []
         locs: list[int] = []
         for req in list(self.running):
-            if req.num_cached >= self.context_length:
-                self._finish(req, FinishReason.at_length(len(req.output_ids)))
-                continue
             slots = self.slots.alloc(1)
-            if slots is None:
+            if slots is None:  # a single request whose context no longer fits: unreachable
                 self._finish(req, FinishReason.abort("KV cache is full; lower the load"))
                 continue
             writes.append(RowWrite(req.row, req.num_cached, tuple(slots)))
@@ -185,6 +209,21 @@ class Scheduler:
             decode=decide_decode(self.decode_plan, len(reqs)),
         )
         return ScheduledBatch(cmd, tuple(reqs), (1,) * len(reqs))
+
+    def _retract(self, victim: Request) -> None:
+        """Give up ``victim``'s KV: it goes back to the front of the queue and later resumes by
+        recomputing its prompt and what it generated so far. Nothing it generated is lost."""
+        self.running.remove(victim)
+        self.slots.free(victim.slots)
+        victim.slots = []
+        if victim.row is not None:
+            self.rows.free(victim.row)
+            victim.row = None
+        victim.prefill_ids = victim.prompt_ids + victim.output_ids
+        victim.num_prefilled = 0
+        victim.retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(victim)
 
     # ---- results -----------------------------------------------------------------------------
     @property
@@ -209,7 +248,7 @@ class Scheduler:
                 req.num_prefilled += n
                 if result.record is not None:
                     req.prefill_records.append(result.record)
-                if req.num_prefilled < len(req.prompt_ids):
+                if not req.prefilled:
                     continue  # more chunks to go; no token sampled from a partial prompt
                 self.waiting.remove(req)
                 self.running.append(req)
