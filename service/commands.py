@@ -87,6 +87,24 @@ class DecodeRecord:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model, and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class PromptScore:
+    """Score a prefill chunk's prompt tokens: ``top`` alternatives each, and ``next_token``, the
+    prompt token after the chunk (None at the prompt's end), scored by the chunk's last row."""
+
+    top: int
+    next_token: int | None
+
+
+@dataclass(frozen=True)
 class RowWrite:
     """req_to_token[row, start : start + len(slots)] = slots"""
 
@@ -109,6 +127,8 @@ class ForwardCommand:
     decision: ReplayDecision | None  # the graph decision for a prefill, made by the coordinator
     decode: DecodeDecision | None = None  # the graph decision for a decode step
     return_logits: bool = False
+    # prefill of requests that want prompt log-probabilities: per request, what to score
+    prompt_scores: tuple[PromptScore | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,3 +137,6 @@ class ForwardResult:
     record: GraphRecord | None  # prefill only
     logits: object | None = None  # (B, V) float32 CPU tensor when asked for
     decode_record: DecodeRecord | None = None  # decode only
+    logprobs: tuple[TokenLogprob | None, ...] = ()  # per request: its sampled token's
+    # per request: its chunk's prompt tokens after the first, and the one after the chunk
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()

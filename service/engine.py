@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from service.chat_template import load_chat_template
 from service.commands import ForwardResult
 from service.config import EngineConfig
 from service.coordinator import start_up
@@ -52,6 +53,7 @@ class Engine:
             self.executor.shutdown()  # no rank actors or Ray left behind by a failed start-up
             raise
         self.tokenizer: TextTokenizer | None = load_tokenizer(Path(self.resolved.model_dir))
+        self.chat_template = load_chat_template(Path(self.resolved.model_dir))
         r = self.resolved
         self.scheduler = Scheduler(
             plan=r.plan,

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from service.errors import RequestError
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's API allows
+
 
 class SamplingError(RequestError):
     """An invalid sampling value; ``field`` names it."""
@@ -25,6 +27,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    # log-probabilities to return: of each generated token with this many alternatives (None:
+    # none), and of each prompt token given the ones before it (for log-likelihood scoring)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +50,10 @@ class SamplingParams:
             raise SamplingError("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingError("stop_token_ids", "must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise SamplingError(name, f"must be within [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:

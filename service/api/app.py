@@ -20,6 +20,7 @@ from service import __version__
 from service.api import generate as gen
 from service.api.errors import ApiError, error_response
 from service.api.guard import BodyRejected, Guard
+from service.api.openai import add_openai_routes
 from service.api.runtime import EngineRuntime
 from service.sampling import SamplingParams
 
@@ -35,6 +36,7 @@ PROTECTED = ("/generate", "/health_generate", "/server_info", "/v1", "/docs", "/
 class ApiSettings:
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    served_model_name: str = "builtin"  # the model id of the OpenAI API
     body_timeout_s: float = 30.0  # a body must arrive within this (slow or lying clients)
 
 
@@ -70,6 +72,8 @@ def create_app(runtime: EngineRuntime, settings: ApiSettings) -> FastAPI:
         first = errors[0] if errors else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return error_response(400, f"{loc or 'body'}: {first.get('msg', 'invalid value')}")
+
+    add_openai_routes(app, runtime, settings.served_model_name)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():

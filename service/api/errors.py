@@ -5,6 +5,21 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 RETRY_AFTER_S = "1"
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """One error shape for every endpoint, OpenAI's: the native API's clients read
+    ``error.message`` and ``error.code``, OpenAI clients the rest too."""
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class ApiError(Exception):
@@ -20,7 +35,7 @@ class ApiError(Exception):
         return ApiError(503, message, {"Retry-After": RETRY_AFTER_S})
 
 
-def error_response(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"code": status, "message": message}}, status_code=status, headers=headers
-    )
+def error_response(
+    status: int, message: str, headers: dict | None = None, param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from service.api.errors import error_body
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -36,7 +38,7 @@ class BodyRejected(Exception):
 
 
 async def send_error(send: Send, status: int, message: str, headers: dict | None = None) -> None:
-    body = json.dumps({"error": {"code": status, "message": message}}).encode()
+    body = json.dumps(error_body(status, message)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

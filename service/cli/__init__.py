@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on /generate, /health_generate and "
         "/server_info (default: $CAPTURE_SERVICE_API_KEY)",
     )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id of the OpenAI API (default: the --model folder's name, or builtin)",
+    )
     serve.add_argument("--max-queued-requests", type=positive_int, default=256)
     serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)
     serve.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from service.cli.args import engine_config_from_args
 
@@ -17,6 +18,8 @@ def run_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
             body_timeout_s=args.body_timeout,
+            served_model_name=args.served_model_name
+            or (Path(args.model).name if args.model else "builtin"),
         ),
         ServeOptions(
             host=args.host,

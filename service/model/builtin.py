@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 BUILTIN_NAME = "builtin-llama-3m"
-BUILTIN_VERSION = 1
+BUILTIN_VERSION = 2  # 2: tokenizer_config.json with a chat template
 BOS_ID, EOS_ID = 256, 257
 
 BUILTIN_CONFIG = {
@@ -40,6 +40,19 @@ BUILTIN_CONFIG = {
     "bos_token_id": BOS_ID,
     "eos_token_id": EOS_ID,
     "torch_dtype": "float32",
+}
+
+
+# A small chat template, so that /v1/chat/completions works on the built-in model: one line per
+# message, "<role>: <content>", then "assistant:" for the reply.
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+BUILTIN_TOKENIZER_CONFIG = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "chat_template": BUILTIN_CHAT_TEMPLATE,
 }
 
 
@@ -96,6 +109,7 @@ def write_builtin(out: Path, seed: int = 1234) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(BUILTIN_CONFIG, indent=2))
     write_byte_tokenizer(out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps(BUILTIN_TOKENIZER_CONFIG, indent=2))
 
 
 def write_byte_tokenizer(path: Path) -> None:

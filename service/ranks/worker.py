@@ -9,21 +9,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from service.buckets import MISS_DISABLED, BucketPlan, ReplayDecision, ResolvedRequestPool
 from service.capture_result import CaptureFailure, CaptureResult, GraphSet, RankPlans
-from service.commands import DecodeRecord, ForwardCommand, ForwardResult, GraphKind, GraphRecord
+from service.commands import (
+    DecodeRecord,
+    ForwardCommand,
+    ForwardResult,
+    GraphKind,
+    GraphRecord,
+    TokenLogprob,
+)
 from service.decode_sizes import DecodeDecision, DecodePlan
 from service.errors import CaptureFailed, RankFailure
 from service.rank_info import RankInfo
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+from service.ranks.logprobs import token_logprobs
 from service.ranks.runners.base import PrefillRunner
 from service.ranks.runners.decode import DecodeGraphRunner
 from service.ranks.runners.eager import EagerRunner
 from service.ranks.runners.registry import make_runner
-from service.ranks.sampler import sample
+from service.ranks.sampler import sample_ids
 from service.ranks.startup import RankSetup
 
 log = logging.getLogger(__name__)
@@ -164,6 +173,7 @@ class RankWorker:
             layout, list(cmd.input_ids), list(cmd.out_cache_loc), self.device
         )
         record = decode_record = None
+        prompt_logprobs: tuple = ()
         if cmd.is_prefill:
             decision = cmd.decision or ReplayDecision.miss(MISS_DISABLED)
             if decision.hit and not self.runner.can_replay(decision):
@@ -177,6 +187,8 @@ class RankWorker:
                 decision, layout.num_tokens, layout.num_requests, self.graph_kind or "cpu"
             )
             logits = self.model.logits(hidden.index_select(0, batch.last_token_indices()))
+            if cmd.prompt_scores is not None:
+                prompt_logprobs = self._prompt_logprobs(cmd, hidden)
         else:
             step = cmd.decode or DecodeDecision(False, None, 0, MISS_DISABLED)
             if step.hit:
@@ -193,14 +205,48 @@ class RankWorker:
                 )
                 kind = "cpu"
             decode_record = DecodeRecord.from_decision(step, layout.num_requests, kind)
-        next_ids = sample(logits, list(cmd.sampling), list(cmd.steps))
+        ids = sample_ids(logits, list(cmd.sampling), list(cmd.steps))
+        next_ids = ids.tolist()  # the one copy of the step's tokens to the host
+        tops = [p.logprobs for p in cmd.sampling]
+        logprobs: list[TokenLogprob | None] = [None] * len(tops)
+        if any(k is not None for k in tops):
+            rows = [i for i, k in enumerate(tops) if k is not None]
+            index = torch.tensor(rows, device=logits.device)
+            found = token_logprobs(logits[index], ids[index], max(tops[i] for i in rows))
+            for i, lp in zip(rows, found, strict=True):
+                logprobs[i] = replace(lp, top=lp.top[: tops[i]])
         return ForwardResult(
+            logprobs=tuple(logprobs),
+            prompt_logprobs=prompt_logprobs,
             next_token_ids=tuple(next_ids),
             record=record,
             # a copy: a replay hands back its graph's output buffer, which the next one overwrites
             logits=logits.to("cpu", copy=True) if cmd.return_logits else None,
             decode_record=decode_record,
         )
+
+    def _prompt_logprobs(
+        self, cmd: ForwardCommand, hidden: torch.Tensor
+    ) -> tuple[tuple[TokenLogprob, ...] | None, ...]:
+        """Per request that asks: each prompt token of its chunk after the first, and the token
+        after the chunk, scored by the positions before them."""
+        out: list[tuple[TokenLogprob, ...] | None] = []
+        start = 0
+        for n, score in zip(cmd.extend_lens, cmd.prompt_scores or (), strict=True):
+            if score is None:
+                out.append(None)
+            else:
+                targets = list(cmd.input_ids[start + 1 : start + n])
+                if score.next_token is not None:
+                    targets.append(score.next_token)
+                found: list[TokenLogprob] = []
+                if targets:
+                    rows = hidden[start : start + len(targets)]
+                    ids = torch.tensor(targets, device=hidden.device)
+                    found = token_logprobs(self.model.logits(rows), ids, score.top)
+                out.append(tuple(found))
+            start += n
+        return tuple(out)
 
     @property
     def graph_kind(self) -> GraphKind | None:

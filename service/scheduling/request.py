@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from service.commands import GraphRecord
+from service.commands import GraphRecord, TokenLogprob
 from service.sampling import SamplingParams
 
 FinishType = Literal["stop", "length", "abort"]
@@ -63,6 +63,8 @@ class Request:
     # generated so far (its KV was given up; it resumes by recomputing it)
     prefill_ids: list[int] = field(default_factory=list)
     retractions: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1..
 
     def __post_init__(self) -> None:
         if not self.prefill_ids:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from service.buckets import BucketPlan, decide_replay
-from service.commands import ForwardCommand, ForwardResult, RowWrite
+from service.commands import ForwardCommand, ForwardResult, PromptScore, RowWrite
 from service.decode_sizes import DecodePlan, decide_decode
 from service.errors import RequestError
 from service.sampling import SamplingParams
@@ -158,6 +158,16 @@ class Scheduler:
         if not reqs:
             return None
         num_tokens = sum(chunks)
+        scores = [
+            PromptScore(
+                r.sampling.prompt_logprobs,
+                r.prefill_ids[r.num_prefilled + n] if r.num_prefilled + n < len(r.prefill_ids)
+                else None,
+            )
+            if r.sampling.prompt_logprobs is not None and r.retractions == 0
+            else None
+            for r, n in zip(reqs, chunks, strict=True)
+        ]  # fmt: skip
         cmd = ForwardCommand(
             is_prefill=True,
             req_pool_indices=tuple(r.row for r in reqs),
@@ -169,6 +179,7 @@ class Scheduler:
             sampling=tuple(r.sampling for r in reqs),
             steps=tuple(len(r.output_ids) for r in reqs),
             decision=decide_replay(self.plan, num_tokens, len(reqs)),
+            prompt_scores=tuple(scores) if any(scores) else None,
         )
         return ScheduledBatch(cmd, tuple(reqs), tuple(chunks))
 
@@ -234,8 +245,8 @@ class Scheduler:
         """Apply a forward's sampled tokens; returns the requests that finished."""
         done: list[Request] = []
         now = time.perf_counter()
-        for req, n, token in zip(
-            batch.requests, batch.chunk_lens, result.next_token_ids, strict=True
+        for i, (req, n, token) in enumerate(
+            zip(batch.requests, batch.chunk_lens, result.next_token_ids, strict=True)
         ):
             if req.finished:  # aborted while the batch ran
                 continue
@@ -244,6 +255,8 @@ class Scheduler:
                     req.decode_graph_steps += 1
                 else:
                     req.decode_eager_steps += 1
+            if result.prompt_logprobs and result.prompt_logprobs[i] is not None:
+                req.prompt_logprobs += result.prompt_logprobs[i]
             if batch.command.is_prefill:
                 req.num_prefilled += n
                 if result.record is not None:
@@ -253,6 +266,8 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.running.append(req)
             req.output_ids.append(token)
+            if result.logprobs and result.logprobs[i] is not None:
+                req.output_logprobs.append(result.logprobs[i])
             if req.first_token_at is None:
                 req.first_token_at = now
             reason = self._finish_reason(req, token)
