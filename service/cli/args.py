@@ -7,6 +7,8 @@ import argparse
 from service.buckets import PREFILL_BACKENDS, parse_bucket_values
 from service.config import (
     ATTENTION_BACKENDS,
+    DEFAULT_CHUNKED_PREFILL_CPU,
+    DEFAULT_CHUNKED_PREFILL_CUDA,
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
     FLASHINFER_KERNELS,
@@ -19,7 +21,6 @@ from service.errors import PlanError
 
 PLAN_DEFAULT_CONTEXT_LENGTH = 2048
 PLAN_DEFAULT_MAX_RUNNING_REQUESTS = 8
-PLAN_DEFAULT_CHUNKED_PREFILL = 8192
 
 
 def positive_int(text: str) -> int:
@@ -89,14 +90,14 @@ def add_graph_arguments(p: argparse.ArgumentParser, *, for_plan: bool = False) -
     p.add_argument(
         "--context-length",
         type=positive_int,
-        default=PLAN_DEFAULT_CONTEXT_LENGTH if for_plan else None,
+        default=None,
         help="per-request context length"
         + (f" (default {PLAN_DEFAULT_CONTEXT_LENGTH})" if for_plan else " (default: the model's)"),
     )
     p.add_argument(
         "--max-running-requests",
         type=positive_int,
-        default=PLAN_DEFAULT_MAX_RUNNING_REQUESTS if for_plan else None,
+        default=None,
         help="request pool size"
         + (
             f" (default {PLAN_DEFAULT_MAX_RUNNING_REQUESTS})"
@@ -107,10 +108,18 @@ def add_graph_arguments(p: argparse.ArgumentParser, *, for_plan: bool = False) -
     p.add_argument(
         "--chunked-prefill-size",
         type=positive_int,
-        default=PLAN_DEFAULT_CHUNKED_PREFILL if for_plan else None,
-        help="max prefill tokens per batch"
-        + (f" (default {PLAN_DEFAULT_CHUNKED_PREFILL})" if for_plan else " (default: per device)"),
+        default=None,
+        help="max prefill tokens per batch (default: per device, "
+        f"{DEFAULT_CHUNKED_PREFILL_CUDA} on CUDA, {DEFAULT_CHUNKED_PREFILL_CPU} on CPU)",
     )
+    if for_plan:
+        p.add_argument(
+            "--device",
+            choices=("cuda", "cpu"),
+            default="cuda",
+            help="whose defaults to plan with where a size is not given (default cuda; serve "
+            "on a CPU machine uses the cpu ones)",
+        )
 
 
 def decode_size_list(text: str) -> tuple[int, ...]:
