@@ -409,6 +409,12 @@ def decide_replay(plan: BucketPlan, num_tokens: int, num_requests: int) -> Repla
 
 def parse_bucket_values(values: Iterable[int | str] | str) -> list[int]:
     """Bucket sizes from a list or a comma-separated string, each a positive int."""
+    return parse_sizes(values, "bucket", "token count", "4096,8192")
+
+
+def parse_sizes(values: Iterable[int | str] | str, noun: str, unit: str, example: str) -> list[int]:
+    """Positive ints from a list or a comma-separated string; errors name the ``noun`` (a bucket,
+    a decode size) and show an ``example`` of a good list."""
     items = values.split(",") if isinstance(values, str) else list(values)
     out: list[int] = []
     for item in items:
@@ -419,13 +425,13 @@ def parse_bucket_values(values: Iterable[int | str] | str) -> list[int]:
             size = int(text)
         except ValueError:
             raise PlanError(
-                f"bucket {text!r} is not an integer; give token counts like 4096,8192"
+                f"{noun} {text!r} is not an integer; give {unit}s like {example}"
             ) from None
         if size <= 0:
-            raise PlanError(f"bucket {size} must be a positive token count")
+            raise PlanError(f"{noun} {size} must be a positive {unit}")
         out.append(size)
     if not out:
-        raise PlanError("the bucket list is empty; give token counts like 4096,8192")
+        raise PlanError(f"the {noun} list is empty; give {unit}s like {example}")
     return out
 
 

@@ -20,7 +20,7 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from service.buckets import MISS_DISABLED, MISS_TOO_MANY_REQUESTS
+from service.buckets import MISS_DISABLED, MISS_TOO_MANY_REQUESTS, parse_sizes
 from service.errors import PlanError
 
 DECODE_MISS_REASONS: tuple[str, ...] = (MISS_DISABLED, MISS_TOO_MANY_REQUESTS)
@@ -78,7 +78,7 @@ def resolve_decode_plan(
     if not enabled:
         return DecodePlan((), max_running_requests, disabled_reason="decode graphs are off")
     wanted = (
-        sorted(set(parse_sizes(sizes)))
+        sorted(set(parse_decode_sizes(sizes)))
         if sizes is not None
         else list(default_decode_sizes(max_running_requests))
     )
@@ -161,26 +161,9 @@ def decide_decode(plan: DecodePlan, batch_size: int) -> DecodeDecision:
     return DecodeDecision(True, size, size - batch_size, None)
 
 
-def parse_sizes(values: Iterable[int | str] | str) -> list[int]:
+def parse_decode_sizes(values: Iterable[int | str] | str) -> list[int]:
     """Decode sizes from a list or a comma-separated string, each a positive int."""
-    items = values.split(",") if isinstance(values, str) else list(values)
-    out: list[int] = []
-    for item in items:
-        text = str(item).strip()
-        if not text:
-            continue
-        try:
-            size = int(text)
-        except ValueError:
-            raise PlanError(
-                f"decode size {text!r} is not an integer; give sizes like 1,2,4"
-            ) from None
-        if size <= 0:
-            raise PlanError(f"decode size {size} must be a positive batch size")
-        out.append(size)
-    if not out:
-        raise PlanError("the decode size list is empty; give sizes like 1,2,4,8")
-    return out
+    return parse_sizes(values, "decode size", "batch size", "1,2,4,8")
 
 
 def _require_positive(name: str, value: int) -> None:

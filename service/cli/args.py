@@ -16,7 +16,7 @@ from service.config import (
     EngineConfig,
     GraphConfig,
 )
-from service.decode_sizes import parse_sizes
+from service.decode_sizes import parse_decode_sizes
 from service.errors import PlanError
 
 PLAN_DEFAULT_CONTEXT_LENGTH = 2048
@@ -124,7 +124,7 @@ def add_graph_arguments(p: argparse.ArgumentParser, *, for_plan: bool = False) -
 
 def decode_size_list(text: str) -> tuple[int, ...]:
     try:
-        return tuple(parse_sizes(text))
+        return tuple(parse_decode_sizes(text))
     except PlanError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

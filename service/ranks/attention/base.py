@@ -93,6 +93,21 @@ class AttentionBackend(ABC):
         return spec, q.view(q.shape[0], spec.num_heads, spec.head_dim)
 
 
+class PlannedAttention(AttentionBackend):
+    """A backend that plans once per forward, in :meth:`bind`; a single call binds too."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        batch: ForwardBatch,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return self.bind(batch)(q, k, v, key, out)
+
+
 class Bound:
     """A backend bound to one forward's batch (the model's :class:`BoundAttention`)."""
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from service.model.attention import AttentionKey, AttentionRegistry, AttentionSpec, BoundAttention
-from service.ranks.attention.base import AttentionBackend, Bound, output_buffer
+from service.model.attention import AttentionRegistry, AttentionSpec, BoundAttention
+from service.ranks.attention.base import Bound, PlannedAttention, output_buffer
 from service.ranks.attention.paged_layout import PagedLayout, indptr, paged_layout
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
@@ -49,7 +49,7 @@ class HeadShape:
         return HeadShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale)
 
 
-class FlashInferBase(AttentionBackend):
+class FlashInferBase(PlannedAttention):
     def __init__(
         self,
         registry: AttentionRegistry,
@@ -78,17 +78,6 @@ class FlashInferBase(AttentionBackend):
         # (num_slots+1, 2, Hkv, D) -> (pages, 2, page_size 1, Hkv, D): FlashInfer's combined
         # NHD layout, K and V of a page side by side
         return self.kv.kv[spec.kv_layer].unsqueeze(2)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key: AttentionKey,
-        batch: ForwardBatch,
-        out: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return self.bind(batch)(q, k, v, key, out)
 
 
 class FlashInferAttention(FlashInferBase):

@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional as F
 
 from service.model.attention import AttentionKey, BoundAttention
-from service.ranks.attention.base import AttentionBackend, Bound
+from service.ranks.attention.base import AttentionBackend, Bound, PlannedAttention
 from service.ranks.forward_batch import ForwardBatch
 
 
@@ -47,7 +47,7 @@ def decode_rows(
     return rows, mask.view(mask.shape[0], 1, 1, width)
 
 
-class TorchDecodeAttention(AttentionBackend):
+class TorchDecodeAttention(PlannedAttention):
     """The graph-safe decode attention of decode graphs (fixed width: context_length)."""
 
     name = "torch_decode"
@@ -60,14 +60,3 @@ class TorchDecodeAttention(AttentionBackend):
             return decode_attend(self, q, key, rows, mask, out)
 
         return Bound(self, batch, attend)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key: AttentionKey,
-        batch: ForwardBatch,
-        out: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return self.bind(batch)(q, k, v, key, out)

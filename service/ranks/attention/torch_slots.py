@@ -22,7 +22,7 @@ import torch
 from torch.nn import functional as F
 
 from service.model.attention import AttentionKey, BoundAttention
-from service.ranks.attention.base import AttentionBackend, Bound
+from service.ranks.attention.base import Bound, PlannedAttention
 from service.ranks.forward_batch import ForwardBatch
 
 
@@ -34,7 +34,7 @@ class SlotLayout:
     mask: torch.Tensor  # (S, 1, Qmax, ctx) True where a query may attend a key
 
 
-class TorchSlotAttention(AttentionBackend):
+class TorchSlotAttention(PlannedAttention):
     name = "torch_slots"
     graph_safe = True
 
@@ -63,17 +63,6 @@ class TorchSlotAttention(AttentionBackend):
             return self._attend(q, key, layout, out)
 
         return Bound(self, batch, attend)
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key: AttentionKey,
-        batch: ForwardBatch,
-        out: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return self._attend(q, key, self.layout(batch, q.shape[0]), out)
 
     def _attend(
         self, q: torch.Tensor, key: AttentionKey, layout: SlotLayout, out: torch.Tensor | None
