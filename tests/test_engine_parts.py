@@ -116,3 +116,24 @@ def test_stop_strings_end_generation_and_are_cut_from_text():
     assert req.output_ids == [2, 3]
     assert req.finish_reason == FinishReason.stop("cd")
     assert sched.rows.num_free == 2 and sched.slots.num_used == 0  # resources freed
+
+
+def test_incremental_detokenizing_equals_decoding_the_whole_output():
+    """Streaming text decodes a bounded window per token (not the whole output each step), and
+    multi-byte characters cut across tokens come out whole."""
+    from service.model.builtin import builtin_model_dir
+    from service.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+    tok = load_tokenizer(builtin_model_dir())
+    text = "héllo wörld — ✓ 日本語 " * 20
+    ids = tok.encode(text)
+    widths: list[int] = []
+
+    def decode(part: list[int]) -> str:
+        widths.append(len(part))
+        return tok.decode(part)
+
+    d = IncrementalDetokenizer(decode)
+    out = "".join(d.push(ids[: i + 1]) for i in range(len(ids)))
+    assert out == text == d.text
+    assert max(widths) <= 8  # a window of a few tokens, whatever the output's length

@@ -149,3 +149,36 @@ def test_a_capture_that_poisons_the_device_is_a_rank_failure():
         capture_failure(first, 3, 4096, dead_device)
     ok = capture_failure(IndexError("list index out of range"), 3, 4096, lambda: None)
     assert (ok.rank, ok.error, ok.message) == (3, "IndexError", "list index out of range")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_replay_is_frozen_at_capture_too(device, monkeypatch):
+    """Decode graphs obey the same contract: the step replays the captured call of its size
+    (counted), hands back the capture's own output storage, and never runs the model's Python."""
+    from service.config import DecodeGraphConfig
+    from service.decode_sizes import decide_decode
+
+    cfg = graph_cfg("breakable", device)
+    e = Engine(EngineConfig(**{**cfg.__dict__, "decode": DecodeGraphConfig(True, (1, 2, 4))}))
+    w = e.executor.worker
+    lens = (30, 12, 7)  # three requests with cached prefixes, decoding one token each
+    first = [1 + 100 * r for r in range(3)]
+    rows = [
+        (r, 0, list(range(f, f + n + 1))) for r, (f, n) in enumerate(zip(first, lens, strict=True))
+    ]
+    w.req_to_token.write_many(rows)
+    layout = BatchLayout(ForwardMode.DECODE, (0, 1, 2), lens, (1, 1, 1))
+    new_slots = [f + n for f, n in zip(first, lens, strict=True)]
+    batch = ForwardBatch.build(layout, [5, 6, 7], new_slots, w.device)
+    decision = decide_decode(e.resolved.decode, 3)
+    assert decision.hit and decision.size == 4 and decision.padded == 1
+    with torch.inference_mode():
+        want = w.model.logits(w.eager_runner.run(batch, None)).clone()
+        (call,) = w.decode_runner.captured_calls(4)
+        first_out = w.decode_runner.run(batch, decision)
+        ptr, first_val = first_out.data_ptr(), first_out.clone()
+        poison_model_python(monkeypatch)
+        got = w.decode_runner.run(batch, decision)
+    assert call.replays == 2 and got.data_ptr() == ptr
+    assert torch.equal(got, first_val)
+    assert (got - want).abs().max().item() < (1e-5 if device == "cpu" else 1e-4)

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def readme_hit_ratio_expression() -> str:
+def readme_expression(block: str = "hit-ratio") -> str:
     text = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- hit-ratio -->\s*```promql\n(.*?)```", text, re.S)
-    assert m, "README.md lost its hit-ratio expression block"
+    m = re.search(rf"<!-- {block} -->\s*```promql\n(.*?)```", text, re.S)
+    assert m, f"README.md lost its {block} expression block"
     return " ".join(m.group(1).split())
 
 
@@ -36,7 +36,8 @@ def query(prom: str, expr: str) -> list:
 def test_hit_ratio_through_prometheus(tmp_path):
     server = ServerProcess(
         "--context-length", "256", "--chunked-prefill-size", "256", "--prefill-buckets", "64",
-        "--max-padding-fraction", "0.5", log_path=tmp_path / "server.log",
+        "--max-padding-fraction", "0.5", "--decode-graphs", "on", "--decode-graph-sizes", "1,2",
+        log_path=tmp_path / "server.log",
     )  # fmt: skip
     port = free_port()
     prom = f"http://127.0.0.1:{port}"
@@ -71,7 +72,7 @@ def test_hit_ratio_through_prometheus(tmp_path):
             body = {"input_ids": [5] * n, "sampling_params": {"max_new_tokens": 1}}
             r = httpx.post(server.url + "/generate", json=body, timeout=60)
             assert r.status_code == 200, r.text
-        expr = readme_hit_ratio_expression()
+        expr = readme_expression()
         deadline = time.monotonic() + 30
         value = None
         while time.monotonic() < deadline:
@@ -83,9 +84,26 @@ def test_hit_ratio_through_prometheus(tmp_path):
                 value = float(sample["value"][1])
                 break
         assert value == pytest.approx(0.75, abs=1e-9)
+        # decode: three requests together (2 steps above the largest size 2: misses), then one
+        # alone (2 steps of size 1: hits)
+        for ids in ([[7, 8], [9, 10], [11, 12]], [13, 14]):
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+            assert httpx.post(server.url + "/generate", json=body, timeout=60).status_code == 200
+        deadline = time.monotonic() + 30
+        decode = None
+        while time.monotonic() < deadline:
+            steps = query(prom, "sum(capture_service_decode_steps_total)")
+            if steps and float(steps[0]["value"][1]) == 4.0:
+                time.sleep(2.5)
+                (sample,) = query(prom, readme_expression("decode-hit-ratio"))
+                decode = float(sample["value"][1])
+                break
+            time.sleep(1.0)
+        assert decode == pytest.approx(0.5, abs=1e-9)
         miss = query(prom, 'capture_service_prefill_batches_total{result="miss",'
                            'reason="padding_over_limit"}')  # fmt: skip
-        assert float(miss[0]["value"][1]) == 1.0
+        # the 10-token prefill, then the decode requests' prefills (6 and 2 tokens: over 50%)
+        assert float(miss[0]["value"][1]) == 3.0
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -350,3 +350,28 @@ def test_a_hung_then_dead_rank_is_reported_fails_requests_and_is_rebuilt(tmp_pat
         for pid in _rank_pids(s.proc.pid) if s.proc.poll() is None else []:
             os.kill(pid, signal.SIGCONT)
         s.stop()
+
+
+def test_health_generate_probes_stay_out_of_the_request_metrics(server):
+    """Probes are not user traffic: they leave requests, tokens and latency counts alone."""
+    names = ("capture_service_prompt_tokens_total", "capture_service_generated_tokens_total",
+             "capture_service_e2e_latency_seconds_count")  # fmt: skip
+    before = [server.metric(n) for n in names]
+    for _ in range(3):
+        assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+    assert [server.metric(n) for n in names] == before
+
+
+def test_a_recorded_ray_cluster_address_is_never_joined(tmp_path):
+    """A dead cluster in RAY_ADDRESS (or recorded by an earlier `ray start`) must not capture a
+    server that starts its own local Ray: it comes up on its own instance."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9"}
+    code = ("from service.executors.ray import ensure_ray; import ray; ensure_ray(None); "
+            "print('joined', ray.get_runtime_context().gcs_address); ray.shutdown()")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "joined" in out.stdout and ":9\n" not in out.stdout

@@ -82,3 +82,20 @@ def test_running_out_of_kv_retracts_instead_of_aborting():
     assert all(len(ids) == 40 for ids in tight)
     plenty, _ = run(16 << 20)
     assert tight == plenty
+
+
+def test_admission_keeps_room_for_the_output_of_running_requests():
+    """A prompt is admitted only while the KV cache keeps half of what the admitted requests may
+    still generate; the first request of an idle engine is always admitted."""
+    from service.buckets import ResolvedRequestPool, resolve_plan
+    from service.scheduling.scheduler import NEW_TOKEN_RATIO
+
+    plan = resolve_plan(backend="eager", context_length=64, pool=ResolvedRequestPool(4),
+                        max_prefill_tokens=64)  # fmt: skip
+    s = Scheduler(plan=plan, context_length=64, max_running_requests=4, num_kv_slots=64,
+                  chunked_prefill_size=64, vocab_size=100, eos_token_ids=())  # fmt: skip
+    reqs = [s.add([1] * 10, SamplingParams(max_new_tokens=40)) for _ in range(3)]
+    batch = s.schedule()
+    # 64 slots: 10 + 20 reserved for the first, 10 + 20 for the second; the third waits
+    assert NEW_TOKEN_RATIO == 0.5 and len(batch.requests) == 2
+    assert reqs[2] in s.waiting and reqs[2].row is None
