@@ -117,9 +117,9 @@ class RayExecutor(Executor):
             ).remote(cfg, rank, cfg.tp)
             for rank in range(cfg.tp)
         ]
-        host, port = self._get_one(self.actors[0].free_address.remote(cfg.ray_address is None))
-        log.info("Ranks rendezvous at %s:%d (tp %d, %s)", host, port, cfg.tp, bundle)
-        self._infos: list[RankInfo] = self._all(lambda a: a.init.remote(host, port))
+        where = self._get_one(self.actors[0].rendezvous.remote(cfg.ray_address is None))
+        log.info("Ranks rendezvous at %s (tp %d, %s)", where, cfg.tp, bundle)
+        self._infos: list[RankInfo] = self._all(lambda a: a.init.remote(where))
         self._graph_kind: str | None = None
 
     # ---- plumbing ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 from datetime import timedelta
 
 from service.buckets import BucketPlan
@@ -32,28 +33,32 @@ class RankActor:
         self.control = None
 
     # ---- set-up ------------------------------------------------------------------------------
-    def free_address(self, local: bool) -> tuple[str, int]:
-        """This node's address and a free port for the process group's rendezvous.
+    def rendezvous(self, local: bool) -> str:
+        """Where the ranks' process groups meet (rank 0 chooses, every rank joins).
 
-        A local Ray instance keeps all traffic on loopback.
+        A local Ray instance keeps everything on this machine and off the network: a file store
+        in a fresh private folder (a TCP store would listen on every interface), and gloo's
+        connections on loopback. On a cluster, a free TCP port of this node.
         """
+        if local:
+            folder = tempfile.mkdtemp(prefix="capture-service-rendezvous-")
+            return "file://" + os.path.join(folder, "store")
         import ray
 
-        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        host = ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if local:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        return host, port
+        return f"tcp://{host}:{port}"
 
     def rank_config(self) -> EngineConfig:
         """The configuration this rank starts from (the engine's)."""
         return self.cfg
 
-    def init(self, host: str, port: int) -> RankInfo:
-        if host == "127.0.0.1":
+    def init(self, init_method: str) -> RankInfo:
+        if init_method.startswith("file://"):  # a local instance: gloo on loopback too
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         import torch
         import torch.distributed as dist
 
@@ -67,7 +72,7 @@ class RankActor:
         timeout = timedelta(seconds=self.cfg.collective_timeout_s)
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{host}:{port}",
+            init_method=init_method,
             rank=self.rank,
             world_size=self.world_size,
             timeout=timeout,
