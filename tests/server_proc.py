@@ -25,8 +25,10 @@ class ServerProcess:
         log_path: Path,
         executor: str | None = "local",
         startup_timeout: float = 240.0,
+        new_session: bool = False,
     ) -> None:
-        """``executor=None`` keeps serve's default (a Ray actor per rank)."""
+        """``executor=None`` keeps serve's default (a Ray actor per rank); ``new_session`` makes
+        the server lead its own process group (the Ray processes it starts join that group)."""
         if executor is not None:
             args = (*args, "--executor", executor)
         self.port = free_port()
@@ -37,7 +39,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1",
              "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=new_session,
         )  # fmt: skip
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:

@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -256,6 +257,36 @@ def test_sigterm_drains_finishes_in_flight_work_and_exits_zero(tmp_path, executo
     assert s.proc.wait(timeout=60) == 0
     assert wait_for(lambda: not any(_alive(p) for p in children), 20), "processes left behind"
     s.stop()
+
+
+def test_a_signal_to_the_whole_process_group_still_exits_at_once(tmp_path):
+    """``kill -- -PGID`` and systemd's default ``KillMode=control-group`` signal Ray's local
+    processes with the server; its shutdown then must not wait on the gone GCS (a minute, then
+    Ray aborts the process) but exit 0 in seconds, leaving nothing of the group behind."""
+    s = ServerProcess("--context-length", "1024", "--prefill-buckets", "64",
+                      log_path=tmp_path / "log", executor=None, new_session=True)  # fmt: skip
+    group = os.getpgid(s.proc.pid)
+    assert group == s.proc.pid
+    started = time.monotonic()
+    os.killpg(group, signal.SIGTERM)
+    assert s.proc.wait(timeout=60) == 0
+    assert time.monotonic() - started < 15, s.log()
+    assert "Server stopped (exit code 0)" in s.log()
+    assert wait_for(lambda: not _group_members(group), 20), "processes of the group left behind"
+    s.stop()
+
+
+def _group_members(group: int) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()
+        if fields[0] != "Z" and int(fields[2]) == group:
+            out.append(int(pid))
+    return out
 
 
 def test_a_short_drain_aborts_what_is_left_and_still_exits_zero(tmp_path):

@@ -11,6 +11,7 @@ or cannot be rebuilt after a failure, exits non-zero so that an orchestrator res
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from contextlib import asynccontextmanager
@@ -122,8 +123,17 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
     log.info("Serving on http://%s:%d", options.host, options.port)
     server.run()
     if uses_ray(cfg):  # the actors went with the engine; the Ray processes this server started
-        import ray
+        from service.executors.ray import gcs_reachable
 
-        ray.shutdown()
+        if gcs_reachable():
+            import ray
+
+            ray.shutdown()
+        else:  # Ray's own processes got the signal too; any Ray call (its atexit hook included)
+            # would wait a minute for them
+            log.warning("Ray's GCS is gone (signalled with this server?): skipping ray.shutdown()")
+            log.info("Server stopped (exit code %d)", server.exit_code)
+            logging.shutdown()
+            os._exit(server.exit_code)
     log.info("Server stopped (exit code %d)", server.exit_code)
     return server.exit_code

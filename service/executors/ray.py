@@ -72,6 +72,26 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+def gcs_reachable(timeout_s: float = 1.0) -> bool:
+    """Whether this driver's Ray GCS still accepts connections.
+
+    A signal sent to the server's whole process group (``kill -- -PGID``, systemd's default
+    ``KillMode=control-group``) also reaches the local Ray processes it started, which share the
+    group; every Ray call after that blocks for a minute before Ray aborts the process. Shutdown
+    asks this first and skips Ray's cleanup when the GCS is gone (its processes went with it).
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 class RayExecutor(Executor):
     kind = "ray"
 
@@ -221,6 +241,9 @@ class RayExecutor(Executor):
     def shutdown(self) -> None:
         import ray
 
+        if not gcs_reachable():
+            log.warning("Ray's GCS is gone (signalled with this server?): rank actors not stopped")
+            return
         for a in self.actors:
             ray.kill(a, no_restart=True)
         ray.util.remove_placement_group(self.pg)
