@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastapi.testclient import TestClient
 
@@ -39,6 +41,24 @@ def wait_health(client: TestClient, status: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
+@contextmanager
+def serving(runtime: EngineRuntime, join: bool = True) -> Iterator[tuple[TestClient, list[str]]]:
+    """The runtime started behind a test client, healthy; yields the client and the reasons
+    passed to ``on_fatal``. ``join=False`` leaves a hung loop thread (a daemon) unjoined."""
+    fatal: list[str] = []
+    runtime.on_fatal = fatal.append
+    client = TestClient(create_app(runtime, ApiSettings()))
+    runtime.start()
+    try:
+        wait_health(client, 200, 120)
+        yield client, fatal
+    finally:
+        if join:
+            runtime.stop()
+        else:
+            runtime._stop.set()
+
+
 def test_an_exception_in_a_step_fails_requests_then_the_engine_is_rebuilt():
     builds = itertools.count()
 
@@ -51,12 +71,7 @@ def test_an_exception_in_a_step_fails_requests_then_the_engine_is_rebuilt():
 
     metrics = Metrics()
     runtime = EngineRuntime(build, metrics, restart_backoff_s=0.5)
-    fatal: list[str] = []
-    runtime.on_fatal = fatal.append
-    client = TestClient(create_app(runtime, ApiSettings()))
-    runtime.start()
-    try:
-        wait_health(client, 200, 120)
+    with serving(runtime) as (client, fatal):
         r = post(client, BODY)
         assert r.status_code == 500
         assert "ValueError: injected forward failure" in r.json()["error"]["message"]
@@ -70,8 +85,6 @@ def test_an_exception_in_a_step_fails_requests_then_the_engine_is_rebuilt():
         assert "capture_service_failed_requests_total 1.0" in text
         assert "capture_service_engine_healthy 1.0" in text
         assert not fatal
-    finally:
-        runtime.stop()
 
 
 def test_an_engine_that_cannot_be_rebuilt_exits_non_zero():
@@ -83,20 +96,13 @@ def test_an_engine_that_cannot_be_rebuilt_exits_non_zero():
         return Engine(CFG, executor=FaultyLocalExecutor(CFG, raise_on_forward=1))
 
     runtime = EngineRuntime(build, Metrics(), restart_attempts=2, restart_backoff_s=0.1)
-    fatal: list[str] = []
-    runtime.on_fatal = fatal.append
-    client = TestClient(create_app(runtime, ApiSettings()))
-    runtime.start()
-    try:
-        wait_health(client, 200, 120)
+    with serving(runtime) as (client, fatal):
         assert post(client, BODY).status_code == 500
         deadline = time.monotonic() + 30
         while not fatal and time.monotonic() < deadline:
             time.sleep(0.05)
         assert fatal and "could not be rebuilt in 2 attempts" in fatal[0]
         assert "failed" in client.get("/health").json()["error"]["message"]
-    finally:
-        runtime.stop()
 
 
 def test_the_watchdog_catches_a_step_that_never_returns(monkeypatch):
@@ -106,17 +112,10 @@ def test_the_watchdog_catches_a_step_that_never_returns(monkeypatch):
         Metrics(),
         step_timeout_s=1.0,
     )
-    fatal: list[str] = []
-    runtime.on_fatal = fatal.append
-    client = TestClient(create_app(runtime, ApiSettings()))
-    runtime.start()
-    try:
-        wait_health(client, 200, 120)
+    with serving(runtime, join=False) as (client, fatal):  # the hung loop cannot be joined
         t0 = time.monotonic()
         r = post(client, BODY, timeout=20)
         assert r.status_code == 500 and "no progress" in r.json()["error"]["message"]
         assert time.monotonic() - t0 < 5  # within the step timeout and the grace
         assert client.get("/health").status_code == 503
         assert fatal and "the engine is hung" in fatal[0]  # a stuck thread: exit, be restarted
-    finally:
-        runtime._stop.set()  # the hung loop thread is a daemon; nothing to join
