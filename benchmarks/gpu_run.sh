@@ -4,7 +4,7 @@
 # others. Run from the repository root, carrying .fiw (FlashInfer, ../shared/tools/
 # device-wheels.sh fi) and .gpuw (fastapi/uvicorn/pydantic/hypothesis wheels):
 #
-#   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, serveprof
+#   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, serveprof, serveprof-uv
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -42,24 +42,33 @@ for what in "$@"; do
     decode)
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
         --context 512 --iters 50 --profile 1 --out "$OUT/decode.json" ;;
-    serve|serveprof)  # serveprof: concurrency 32 only, the server under benchmarks/host_profile.py
-      M=$(model_dir); PORT=31234; CLI=(python3 -m service)
-      [ "$what" = serveprof ] && CLI=(python3 benchmarks/host_profile.py --on-signal --out "$OUT/host_profile.json" --)
-      "${CLI[@]}" serve --executor local --model $M --load-format random \
-        --context-length 2048 --max-running-requests 64 --port $PORT >"$OUT/server.txt" 2>&1 &
+    serve|serveprof|serveprof-uv)
+      # serveprof: concurrency 32 only, the server under benchmarks/host_profile.py; serveprof-uv:
+      # the same with uvloop and httptools (wheels carried in .uvw) importable, so uvicorn's
+      # "auto" picks them
+      M=$(model_dir); PORT=31234; CLI=(python3 -m service); SUFFIX=${what#serve}; PYPATH=$PYTHONPATH
+      [ "$what" != serve ] && CLI=(python3 benchmarks/host_profile.py --on-signal \
+        --out "$OUT/host_profile$SUFFIX.json" --)
+      if [ "$what" = serveprof-uv ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site-uv" .uvw/*.whl
+        PYPATH="$HOME/site-uv:$PYTHONPATH"
+      fi
+      PYTHONPATH=$PYPATH "${CLI[@]}" serve --executor local --model $M --load-format random \
+        --context-length 2048 --max-running-requests 64 --port $PORT >"$OUT/server$SUFFIX.txt" 2>&1 &
       SERVER=$!
       for _ in $(seq 240); do
         curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sleep 1
       done
-      grep -E "Engine ready|Capture (prefill|decode) graphs done" "$OUT/server.txt"
+      grep -E "Engine ready|Capture (prefill|decode) graphs done" "$OUT/server$SUFFIX.txt"
       [ "$what" = serve ] && step serve_c1 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
         --num-requests 16 --input-len 256 --output-len 128 --concurrency 1 --out "$OUT/serve_c1.json"
-      [ "$what" = serveprof ] && kill -USR1 $SERVER  # record the concurrency-32 window only
-      step serve_c32 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
-        --num-requests 128 --input-len 256 --output-len 128 --concurrency 32 --out "$OUT/serve_c32.json"
-      [ "$what" = serveprof ] && kill -USR2 $SERVER
+      [ "$what" != serve ] && kill -USR1 $SERVER  # record the concurrency-32 window only
+      step serve_c32$SUFFIX 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
+        --num-requests 128 --input-len 256 --output-len 128 --concurrency 32 \
+        --out "$OUT/serve_c32$SUFFIX.json"
+      [ "$what" != serve ] && kill -USR2 $SERVER
       kill $SERVER; wait $SERVER 2>/dev/null
-      [ "$what" = serveprof ] && grep -A25 "== thread" "$OUT/server.txt" | head -80 ;;
+      [ "$what" != serve ] && grep -A25 "== thread" "$OUT/server$SUFFIX.txt" | head -80 ;;
     prefill)
       TAIL=40 step prefill 560 python3 benchmarks/prefill_graphs.py --iters 20 \
         --kernel-count-buckets 16,256,2048,8192 --profile 256 --hf-compiled "${HF:-}" \
