@@ -12,16 +12,62 @@ from service.errors import CheckpointError
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (arXiv:2309.00071), as DeepSeek's checkpoints configure it
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention (arXiv:2405.04434), per attention head."""
+
+    q_lora_rank: int | None  # None: a plain q projection
+    kv_lora_rank: int  # width of the compressed KV latent
+    qk_nope_head_dim: int  # the part of q/k without rotary
+    qk_rope_head_dim: int  # the decoupled rotary part (one shared key head)
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """One KV-cache entry per token and layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Routed and shared experts (DeepSeekMoE, arXiv:2401.06066; V3's sigmoid routing)."""
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    first_k_dense_replace: int  # the first layers keep a dense MLP
+    scoring: str  # softmax (V2) | sigmoid (V3)
+    topk_method: str  # greedy | group_limited_greedy | noaux_tc
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
 
 
 @dataclass(frozen=True)
@@ -42,6 +88,15 @@ class ArchConfig:
     attention_bias: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    mla: MlaConfig | None = None  # DeepSeek V2/V3
+    moe: MoeConfig | None = None
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.first_k_dense_replace
 
     @property
     def q_size(self) -> int:
@@ -57,9 +112,23 @@ class ArchConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h
-        head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + head
+        if self.mla is not None:
+            m, heads = self.mla, self.num_attention_heads
+            q = heads * m.qk_head_dim
+            q_proj = h * q if m.q_lora_rank is None else (h + q) * m.q_lora_rank + m.q_lora_rank
+            attn = q_proj + h * m.cache_dim + m.kv_lora_rank
+            attn += m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+            attn += heads * m.v_head_dim * h
+        total = v * h + h + (0 if self.tie_word_embeddings else v * h)
+        for layer in range(self.num_hidden_layers):
+            if self.is_moe_layer(layer):
+                e = self.moe  # type: ignore[union-attr]
+                mlp = 3 * h * e.moe_intermediate_size * (e.num_experts + e.num_shared_experts)
+                mlp += e.num_experts * h
+            else:
+                mlp = 3 * h * i
+            total += attn + mlp + 2 * h
+        return total
 
 
 def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchConfig:
@@ -72,14 +141,15 @@ def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchC
         )
     family = SUPPORTED_ARCHITECTURES[arch]
     try:
+        mla = parse_mla(raw) if family.startswith("deepseek") else None
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         rs = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         rope_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ROPE_TYPES:
             raise CheckpointError(
                 f"{source}: unsupported rope_scaling type {rope_type!r}; "
-                "supported: default, linear, llama3"
+                f"supported: {', '.join(ROPE_TYPES)}"
             )
         rope_theta = raw.get("rope_theta", rs.get("rope_theta", 10000.0) if rs else 10000.0)
         eos = raw.get("eos_token_id")
@@ -92,7 +162,7 @@ def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchC
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=int(mla.qk_head_dim if mla else (raw.get("head_dim") or hidden // heads)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             rope_scaling=RopeScaling(
@@ -103,15 +173,70 @@ def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchC
                 original_max_position_embeddings=int(
                     rs.get("original_max_position_embeddings", 8192) if rs else 8192
                 ),
+                beta_fast=float(rs.get("beta_fast") or 32.0) if rs else 32.0,
+                beta_slow=float(rs.get("beta_slow") or 1.0) if rs else 1.0,
+                mscale=float(rs.get("mscale") or 0.0) if rs else 0.0,
+                mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0) if rs else 0.0,
+                attention_factor=(
+                    float(rs["attention_factor"]) if rs.get("attention_factor") else None
+                ),
             ),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            mla=mla,
+            moe=parse_moe(raw, source) if family.startswith("deepseek") else None,
         )
     except KeyError as exc:
         raise CheckpointError(f"{source}: missing required field {exc.args[0]!r}") from None
+
+
+def parse_mla(raw: dict[str, Any]) -> MlaConfig:
+    q_lora = raw.get("q_lora_rank")
+    return MlaConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+        v_head_dim=int(raw["v_head_dim"]),
+    )
+
+
+def parse_moe(raw: dict[str, Any], source: str) -> MoeConfig | None:
+    """The routed experts of a DeepSeek config, or None when it has none (a dense model)."""
+    experts = raw.get("n_routed_experts")
+    if not experts:
+        return None
+    v3 = SUPPORTED_ARCHITECTURES.get((raw.get("architectures") or [""])[0]) == "deepseek_v3"
+    scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if scoring not in ("softmax", "sigmoid"):
+        raise CheckpointError(f"{source}: unsupported scoring_func {scoring!r}")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise CheckpointError(
+            f"{source}: unsupported topk_method {method!r}; supported: greedy, "
+            "group_limited_greedy, noaux_tc"
+        )
+    if int(raw.get("moe_layer_freq") or 1) != 1:
+        raise CheckpointError(f"{source}: moe_layer_freq other than 1 is not supported")
+    groups = int(raw.get("n_group") or 1)
+    if experts % groups:
+        raise CheckpointError(f"{source}: n_routed_experts {experts} is not divisible by n_group")
+    return MoeConfig(
+        num_experts=int(experts),
+        top_k=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["moe_intermediate_size"]),
+        num_shared_experts=int(raw.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        scoring=scoring,
+        topk_method=method,
+        num_groups=groups,
+        topk_groups=int(raw.get("topk_group") or 1),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+    )
 
 
 def load_arch_config(model_dir: Path) -> ArchConfig:

@@ -21,15 +21,30 @@ class AttentionKey:
     variant: str = "mha"
 
 
+# What a path attends over, and for which requests (AttentionSpec.kind):
+CACHED = "cached"  # every request, over its KV-cache row (its prefix and this pass's tokens)
+MLA_NEW = "mla_new"  # MLA's MHA path: requests without a cached prefix, over this pass's k/v only
+MLA_LATENT = "mla_latent"  # MLA's MQA path: requests with a cached prefix, and every decode
+# request, over the cached latent entries (values are the keys: one head, k == v)
+ATTENTION_KINDS = (CACHED, MLA_NEW, MLA_LATENT)
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What one attention path needs to know: head counts on this rank, head dim, KV layer."""
+    """What one attention path needs to know: head counts on this rank, head dim, KV layer,
+    and what it attends over (``kind``). Outputs are (T, num_heads * head_dim): a path whose
+    values are narrower (MLA) gets them zero-padded to ``head_dim`` and reads its columns."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scale: float
     kv_layer: int
+    kind: str = CACHED
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention kind {self.kind!r} is not one of {ATTENTION_KINDS}")
 
 
 class AttentionRegistry:
@@ -54,14 +69,20 @@ class AttentionRegistry:
     def keys(self) -> list[AttentionKey]:
         return sorted(self._specs)
 
+    def kinds(self) -> set[str]:
+        return {spec.kind for spec in self._specs.values()}
+
 
 class BoundAttention(Protocol):
     """Attention bound to one forward's batch: what a model layer calls, in this order.
 
     ``store`` is token-axis work (each token's K/V to its KV slot), so a segment runner captures
     it inside the segment that produced k and v; the call attends over each request's cached
-    prefix and new tokens, and is what runs between segment replays.
+    prefix and new tokens, and is what runs between segment replays. ``decode`` says whether the
+    bound batch is a decode step (a model with a decode-only attention path, MLA, reads it).
     """
+
+    decode: bool
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         """Write this pass's k, v (T, Hkv*D) into the KV cache (an implementation may defer

@@ -193,6 +193,28 @@ class CausalLM(nn.Module):
     def key(self, i: int) -> AttentionKey:
         return self.layers[i].self_attn.key
 
+    def kv_entry(self) -> tuple[int, int, int]:
+        """(parts, heads on this rank, head dim) of one token's KV-cache entry per layer."""
+        return 2, self.layers[0].self_attn.num_kv_heads, self.cfg.head_dim
+
+    def attention_io(self) -> tuple[tuple[int, ...], int]:
+        """Widths of what a segment hands to attention (q, k, v: columns of one qkv buffer)
+        and of what attention hands to the next segment (the output of a ``breakable``
+        prefill)."""
+        attn = self.layers[0].self_attn
+        return (attn.q_size, attn.kv_size, attn.kv_size), attn.q_size
+
+    def attend(
+        self,
+        i: int,
+        inputs: tuple[torch.Tensor, ...],
+        attention: BoundAttention,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Layer i's attention over the inputs its segment produced -> (T, Hq*D)."""
+        q, k, v = inputs
+        return attention(q, k, v, self.key(i), out)
+
     # Segments between attention calls: token-axis only, so they replay for any request layout.
     def first_segment(
         self,
@@ -224,7 +246,9 @@ class CausalLM(nn.Module):
         attention.store(k, v, self.key(i))
         return residual, q, k, v
 
-    def last_segment(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def last_segment(
+        self, residual: torch.Tensor, attn_out: torch.Tensor, decode: bool = False
+    ) -> torch.Tensor:
         """Finish the last layer and apply the final norm: -> final hidden states (T, H)."""
         x, residual = self.layers[-1].post_attention(attn_out, residual)
         return self.norm.add(x, residual)[0]
@@ -235,9 +259,9 @@ class CausalLM(nn.Module):
         """input_ids, positions (T,) -> final hidden states (T, H)."""
         residual, q, k, v = self.first_segment(input_ids, positions, attention)
         for i in range(1, len(self.layers)):
-            out = attention(q, k, v, self.key(i - 1))
+            out = self.attend(i - 1, (q, k, v), attention)
             residual, q, k, v = self.middle_segment(i, residual, out, positions, attention)
-        return self.last_segment(residual, attention(q, k, v, self.key(len(self.layers) - 1)))
+        return self.last_segment(residual, self.attend(len(self.layers) - 1, (q, k, v), attention))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Selected hidden states (N, H) -> logits (N, V) in float32."""

@@ -85,9 +85,10 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, object]]:
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
     params = dict(model.named_parameters())
-    loaded: set[tuple[str, str | int | None]] = set()
+    loaded: set[tuple[str, object]] = set()
+    mapper = getattr(model, "map_checkpoint_name", map_name)  # a family's own names
     for hf_name, tensor in iter_checkpoint(model_dir):
-        mapped = map_name(hf_name)
+        mapped = mapper(hf_name)
         if mapped is None:
             continue
         name, shard = mapped
@@ -103,14 +104,17 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         except CheckpointError as exc:
             raise CheckpointError(f"tensor {hf_name} in {model_dir}: {exc}") from None
         loaded.add((name, shard))
-    expected: set[tuple[str, str | int | None]] = set()
-    for name in params:
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-            expected |= {(name, s) for s in ("q", "k", "v")}
-        elif name.endswith("gate_up_proj.weight"):
-            expected |= {(name, 0), (name, 1)}
-        else:
-            expected.add((name, None))
+    if hasattr(model, "expected_checkpoint_shards"):
+        expected = model.expected_checkpoint_shards()
+    else:
+        expected = set()
+        for name in params:
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                expected |= {(name, s) for s in ("q", "k", "v")}
+            elif name.endswith("gate_up_proj.weight"):
+                expected |= {(name, 0), (name, 1)}
+            else:
+                expected.add((name, None))
     missing = sorted(f"{n}{'' if s is None else f'[{s}]'}" for n, s in expected - loaded)
     if missing:
         raise CheckpointError(
@@ -127,6 +131,8 @@ def init_random(model: CausalLM, seed: int) -> None:
         for name, p in sorted(model.named_parameters()):
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
 
@@ -144,14 +150,20 @@ def build_model(
     kernels: Kernels | None = None,
 ) -> CausalLM:
     cfg = cfg or load_arch_config(model_dir)
+    model_class = CausalLM
+    if cfg.mla is not None:
+        from service.model.deepseek import DeepseekLM
+
+        model_class = DeepseekLM
     with torch.device(device):  # parameters are created where they will live
-        model = CausalLM(cfg, tp, max_positions, kernels)
+        model = model_class(cfg, tp, max_positions, kernels)
     if load_format == "random":
         init_random(model, seed)
     elif load_format == "auto":
         load_weights(model, model_dir)
     else:
         raise CheckpointError(f"unknown load format {load_format!r}; use auto or random")
-    for p in model.parameters():  # rotary tables stay float32 (buffers)
-        p.data = p.data.to(dtype)
+    for p in model.parameters():  # rotary tables stay float32 (buffers), routers too
+        if not getattr(p, "keep_fp32", False):
+            p.data = p.data.to(dtype)
     return model.to(device).eval()

@@ -25,11 +25,14 @@ class KVLayout:
     num_kv_heads: int  # on this rank
     head_dim: int
     dtype: torch.dtype
+    # 2: a key and a value per token; 1: one entry that is both (MLA's latent and rotary key,
+    # whose values are its first kv_lora_rank columns)
+    parts: int = 2
 
     @property
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return self.parts * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
 def kv_slots_for_budget(layout: KVLayout, budget_bytes: int) -> int:
@@ -99,21 +102,28 @@ class TokenKVPool:
     One tensor per layer holds both, (num_slots + 1, 2, Hkv, D): K and V of a token side by side,
     as FlashInfer's combined paged layout reads them (page size 1). ``k[layer]`` and
     ``v[layer]`` are views of it. When k and v arrive as adjacent columns of one qkv projection
-    (the model's layout), one indexed copy stores both.
+    (the model's layout), one indexed copy stores both. A one-part layout (MLA) keeps a single
+    entry per token, (num_slots + 1, 1, 1, D); ``k[layer]`` and ``v[layer]`` are the same view.
     """
 
     def __init__(self, layout: KVLayout, num_slots: int, device: torch.device) -> None:
         self.layout = layout
         self.num_slots = num_slots
-        shape = (num_slots + 1, 2, layout.num_kv_heads, layout.head_dim)  # +1: the padding slot
+        if layout.parts not in (1, 2):
+            raise ValueError(f"a KV layout has 1 or 2 parts, not {layout.parts}")
+        # +1: the padding slot
+        shape = (num_slots + 1, layout.parts, layout.num_kv_heads, layout.head_dim)
         self.kv = [
             torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)
         ]
         self.k = [t[:, 0] for t in self.kv]
-        self.v = [t[:, 1] for t in self.kv]
+        self.v = [t[:, layout.parts - 1] for t in self.kv]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc (T,), k/v (T, Hkv, D). Padded tokens have loc == service.padding.PADDING_SLOT.
+        if self.layout.parts == 1:  # one entry: v is k
+            self.k[layer].index_copy_(0, loc, k.to(self.layout.dtype))
+            return
         both = side_by_side(k, v)
         if both is not None and both.dtype == self.layout.dtype:
             self.kv[layer].index_copy_(0, loc, both)  # one kernel for K and V

@@ -17,10 +17,18 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_DTYPES = ("float16", "bfloat16")
 
 
+MLA_BLOCKER = (
+    "multi-head latent attention (DeepSeek) runs on the torch attention paths; FlashInfer's MLA "
+    "wrappers are not wired in yet"
+)
+
+
 def flashinfer_blocker(
-    device_type: str, dtype: str, head_dim: int, import_error: str | None
+    device_type: str, dtype: str, head_dim: int, import_error: str | None, mla: bool = False
 ) -> str | None:
     """Why FlashInfer cannot serve this rank, or None when it can."""
+    if mla:
+        return MLA_BLOCKER
     if device_type != "cuda":
         return f"FlashInfer needs a CUDA device (this rank runs on {device_type})"
     if import_error is not None:
@@ -50,9 +58,14 @@ def choose(requested: str, flag: str, blocker: str | None) -> BackendChoice:
 
 
 def choose_attention(
-    requested: str, device_type: str, dtype: str, head_dim: int, import_error: str | None
+    requested: str,
+    device_type: str,
+    dtype: str,
+    head_dim: int,
+    import_error: str | None,
+    mla: bool = False,
 ) -> BackendChoice:
-    blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error)
+    blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error, mla)
     return choose(requested, "--attention-backend", blocker)
 
 

@@ -76,7 +76,9 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         cfg.fused_kernels.replace("auto", "flashinfer"),
     )
     fi_error = flashinfer_import_error() if wants_flashinfer else None
-    kernels = choose_kernels(cfg.fused_kernels, device.type, dtype_name, arch.head_dim, fi_error)
+    # DeepSeek's rotary is its own (interleaved pairs); the fused norm and SiLU kernels serve it
+    kernel_dim = arch.head_dim if arch.mla is None else arch.mla.qk_rope_head_dim
+    kernels = choose_kernels(cfg.fused_kernels, device.type, dtype_name, kernel_dim, fi_error)
     log.info("Fused kernels: %s (%s)", kernels.name, kernels.reason)
     model = build_model(
         model_dir,
@@ -89,11 +91,13 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         cfg=arch,
         kernels=make_kernels(kernels.name),
     )
+    parts, kv_heads, kv_dim = model.kv_entry()
     layout = KVLayout(
         num_layers=arch.num_hidden_layers,
-        num_kv_heads=model.layers[0].self_attn.num_kv_heads,
-        head_dim=arch.head_dim,
+        num_kv_heads=kv_heads,
+        head_dim=kv_dim,
         dtype=dtype,
+        parts=parts,
     )
     num_slots = kv_slots_for_budget(layout, resolve_kv_budget(cfg, device))
     max_running_requests = resolve_max_running_requests(
@@ -102,8 +106,9 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
     kv = TokenKVPool(layout, num_slots, device)
     req_to_token = ReqToTokenPool(max_running_requests, context_length, device)
     choice = choose_attention(
-        cfg.attention_backend, device.type, dtype_name, arch.head_dim, fi_error
-    )
+        cfg.attention_backend, device.type, dtype_name, arch.head_dim, fi_error,
+        mla=arch.mla is not None,
+    )  # fmt: skip
     log.info("Attention backend: %s (%s)", choice.name, choice.reason)
     eager, graph, decode = attention_backends(choice, cfg, model, kv, req_to_token)
     info = RankInfo(

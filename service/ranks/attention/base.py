@@ -11,8 +11,14 @@ from collections.abc import Callable
 
 import torch
 
-from service.model.attention import AttentionKey, AttentionRegistry, AttentionSpec, BoundAttention
-from service.ranks.forward_batch import ForwardBatch
+from service.model.attention import (
+    MLA_NEW,
+    AttentionKey,
+    AttentionRegistry,
+    AttentionSpec,
+    BoundAttention,
+)
+from service.ranks.forward_batch import ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
 
 
@@ -32,8 +38,11 @@ class AttentionBackend(ABC):
     def store(
         self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey, batch: ForwardBatch
     ) -> None:
-        """Each token's K/V (T, Hkv*D) to its KV slot; padded tokens write the padding slot."""
+        """Each token's K/V (T, Hkv*D) to its KV slot; padded tokens write the padding slot.
+        MLA's MHA path stores nothing: its layer stores the latent through the MQA path."""
         spec = self.registry.spec(key)
+        if spec.kind == MLA_NEW:
+            return
         t = k.shape[0]
         k3 = k.view(t, spec.num_kv_heads, spec.head_dim)
         v3 = v.view(t, spec.num_kv_heads, spec.head_dim)
@@ -120,6 +129,7 @@ class Bound:
         self.backend = backend
         self.batch = batch
         self._attend = attend
+        self.decode = batch.layout.mode is ForwardMode.DECODE
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         self.backend.store(k, v, key, self.batch)

@@ -61,7 +61,10 @@ def attention_context(bound: BoundAttention) -> Iterator[None]:
 
 class OpAttention:
     """The :class:`BoundAttention` a compiled forward calls: one custom op that stores and
-    attends (``store`` is deferred to it, so no KV write enters a compiled piece)."""
+    attends (``store`` is deferred to it, so no KV write enters a compiled piece). Compiled
+    forwards are prefills."""
+
+    decode = False
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         return None

@@ -12,6 +12,11 @@ graph and recomputed from the static buffers at every replay.
 
 Zero-length sentinel slots and padded query rows are allowed key 0 so that no softmax row is
 empty (no NaN); their outputs go to a discarded row, so they never write a live token.
+
+MLA's two prefill paths (service.model.attention kinds) select their requests on the device:
+the MHA path serves slots without a cached prefix and attends over this pass's own keys and
+values (gathered like the queries), the MQA path serves slots with a prefix over the cached
+latent; each leaves the other's rows zero.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from service.model.attention import AttentionKey, BoundAttention
+from service.model.attention import CACHED, MLA_LATENT, MLA_NEW, AttentionKey, BoundAttention
 from service.ranks.attention.base import Bound, PlannedAttention
 from service.ranks.forward_batch import ForwardBatch
 
@@ -32,6 +37,11 @@ class SlotLayout:
     target: torch.Tensor  # (S*Qmax,) where each row's output goes; T for invalid rows
     rows: torch.Tensor  # (S, ctx) KV slots of each slot's request
     mask: torch.Tensor  # (S, 1, Qmax, ctx) True where a query may attend a key
+    # per attention kind other than CACHED: (target, mask) of the requests that kind serves
+    by_kind: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    def for_kind(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.target, self.mask) if kind == CACHED else self.by_kind[kind]
 
 
 class TorchSlotAttention(PlannedAttention):
@@ -47,41 +57,68 @@ class TorchSlotAttention(PlannedAttention):
         q_index = (batch.extend_start_loc.unsqueeze(1) + q_off).clamp_(max=num_tokens - 1)
         k_pos = torch.arange(ctx, device=dev).view(1, 1, ctx)
         q_pos = (batch.prefix_lens.unsqueeze(1) + q_off).unsqueeze(2)  # (S, Qmax, 1)
-        mask = (k_pos <= q_pos) | (~q_valid.unsqueeze(2) & (k_pos == 0))  # no empty rows
-        target = torch.where(q_valid, q_index, torch.full_like(q_index, num_tokens))
+        discard = torch.full_like(q_index, num_tokens)
+
+        def masked(valid: torch.Tensor, allowed: torch.Tensor, first_key: torch.Tensor):
+            # rows outside ``valid`` may see key 0 only (no empty softmax row) and are discarded
+            mask = allowed | (~valid.unsqueeze(2) & first_key)
+            return torch.where(valid, q_index, discard).reshape(-1), mask.unsqueeze(1)
+
+        target, mask = masked(q_valid, k_pos <= q_pos, k_pos == 0)
+        by_kind: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        kinds = self.registry.kinds()
+        has_prefix = (batch.prefix_lens > 0).unsqueeze(1)  # (S, 1)
+        if MLA_LATENT in kinds:
+            by_kind[MLA_LATENT] = masked(q_valid & has_prefix, k_pos <= q_pos, k_pos == 0)
+        if MLA_NEW in kinds:  # keys are the slot's own new tokens: (S, Qmax, Qmax)
+            k_off = q_off.view(1, 1, q_max)
+            causal = k_off <= q_off.view(1, q_max, 1)
+            by_kind[MLA_NEW] = masked(q_valid & ~has_prefix, causal, k_off == 0)
         return SlotLayout(
             q_index=q_index,
-            target=target.reshape(-1),
+            target=target,
             rows=self.req_to_token.table.index_select(0, batch.req_pool_indices),
-            mask=mask.unsqueeze(1),
+            mask=mask,
+            by_kind=by_kind,
         )
 
     def bind(self, batch: ForwardBatch) -> BoundAttention:
         layout = self.layout(batch, batch.input_ids.shape[0])
 
         def attend(q, k, v, key, out):
-            return self._attend(q, key, layout, out)
+            return self._attend(q, k, v, key, layout, out)
 
         return Bound(self, batch, attend)
 
     def _attend(
-        self, q: torch.Tensor, key: AttentionKey, layout: SlotLayout, out: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        layout: SlotLayout,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         spec, q3 = self.heads(q, key)
         num_tokens, num_heads, head_dim = q3.shape
+        target, mask = layout.for_kind(spec.kind)
         queries = q3[layout.q_index]  # (S, Qmax, Hq, D)
-        keys = self.kv.k[spec.kv_layer][layout.rows]  # (S, ctx, Hkv, D)
-        values = self.kv.v[spec.kv_layer][layout.rows]
+        if spec.kind == MLA_NEW:  # this pass's own keys and values: (S, Qmax, Hkv, D)
+            keys = k.view(num_tokens, spec.num_kv_heads, head_dim)[layout.q_index]
+            values = v.view(num_tokens, spec.num_kv_heads, head_dim)[layout.q_index]
+        else:
+            keys = self.kv.k[spec.kv_layer][layout.rows]  # (S, ctx, Hkv, D)
+            values = self.kv.v[spec.kv_layer][layout.rows]
         res = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # (S, Hq, Qmax, D)
-            keys.transpose(1, 2),  # (S, Hkv, ctx, D)
+            keys.transpose(1, 2),  # (S, Hkv, ctx or Qmax, D)
             values.transpose(1, 2),
-            attn_mask=layout.mask,
+            attn_mask=mask,
             scale=spec.scale,
             enable_gqa=num_heads != spec.num_kv_heads,
         ).transpose(1, 2)  # (S, Qmax, Hq, D)
         flat = torch.zeros(num_tokens + 1, num_heads, head_dim, dtype=res.dtype, device=q.device)
-        flat.index_copy_(0, layout.target, res.reshape(-1, num_heads, head_dim))
+        flat.index_copy_(0, target, res.reshape(-1, num_heads, head_dim))
         result = flat[:num_tokens].reshape(num_tokens, num_heads * head_dim)
         if out is None:
             return result

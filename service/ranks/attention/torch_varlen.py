@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from service.model.attention import AttentionKey, BoundAttention
+from service.model.attention import MLA_LATENT, MLA_NEW, AttentionKey, BoundAttention
 from service.ranks.attention.base import AttentionBackend, Bound, output_buffer
 from service.ranks.attention.torch_decode import decode_attend, decode_rows
 from service.ranks.forward_batch import ForwardBatch, ForwardMode
@@ -70,15 +70,26 @@ class TorchVarlenAttention(AttentionBackend):
         layout = batch.layout
         res = output_buffer(q3, out, layout.num_tokens)
         k_cache, v_cache = self.kv.k[spec.kv_layer], self.kv.v[spec.kv_layer]
+        t = k.shape[0]
         start = 0
         for row, prefix, new in zip(
             layout.req_pool_indices, layout.prefix_lens, layout.extend_lens, strict=True
         ):
             if new == 0:
                 continue
-            slots = self.req_to_token.table[row, : prefix + new]
-            res[start : start + new] = causal_attend(
-                q3[start : start + new], k_cache[slots], v_cache[slots], prefix, spec.scale
-            )
-            start += new
+            end = start + new
+            if (spec.kind == MLA_NEW and prefix > 0) or (spec.kind == MLA_LATENT and prefix == 0):
+                res[start:end].zero_()  # the layer's other path serves this request
+            elif spec.kind == MLA_NEW:  # this pass's keys and values only: no cached prefix
+                k3 = k.view(t, spec.num_kv_heads, spec.head_dim)
+                v3 = v.view(t, spec.num_kv_heads, spec.head_dim)
+                res[start:end] = causal_attend(
+                    q3[start:end], k3[start:end], v3[start:end], 0, spec.scale
+                )
+            else:
+                slots = self.req_to_token.table[row, : prefix + new]
+                res[start:end] = causal_attend(
+                    q3[start:end], k_cache[slots], v_cache[slots], prefix, spec.scale
+                )
+            start = end
         return res.view(q.shape[0], -1)

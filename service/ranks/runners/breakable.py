@@ -8,11 +8,12 @@ bucket serves any request layout; the output tail (last-token gather, logits) st
 worker.
 
 Segment inputs and outputs live in buffers allocated once for the largest bucket, and every
-segment writes its results where the next consumer reads them: the qkv projection writes into
-the qkv buffer (q, k, v are column slices of it, rotated in place by the fused kernels), the
-fused add-norm updates the residual buffer in place, attention writes into the attention buffer.
-Where a kernel cannot work in place (the torch fallback), the segment copies its result there;
-graphs never hold per-bucket activations.
+segment writes its results where the next consumer reads them: the attention inputs (for Llama
+the qkv projection; q, k, v are column slices of it, rotated in place by the fused kernels) go
+to one buffer whose column widths the model states (``attention_io``), the fused add-norm
+updates the residual buffer in place, attention writes into the attention buffer. Where a
+kernel cannot work in place (the torch fallback, MLA's concatenated inputs), the segment copies
+its result there; graphs never hold per-bucket activations.
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ from service.ranks.runners.graph_capture import CapturedCall
 @dataclass(frozen=True)
 class SegmentBuffers:
     residual: torch.Tensor  # (Tmax, H) the residual stream
-    qkv: torch.Tensor  # (Tmax, (Hq + 2 Hkv) D) the qkv projection; q, k, v are its columns
-    attn: torch.Tensor  # (Tmax, Hq*D) attention output, written eagerly between segments
+    qkv: torch.Tensor  # (Tmax, sum of widths) attention inputs (Llama: the qkv projection)
+    attn: torch.Tensor  # (Tmax, out width) attention output, written eagerly between segments
     hidden: torch.Tensor  # (Tmax, H) final hidden states
-    q_size: int
-    kv_size: int
+    widths: tuple[int, ...]
 
-    def qkv_views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.qkv[:rows].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def qkv_views(self, rows: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self.qkv[:rows].split(list(self.widths), dim=-1))
 
 
 def place(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -52,7 +52,7 @@ class BreakableGraphRunner(GraphRunner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        attn = self.model.layers[0].self_attn
+        widths, out_width = self.model.attention_io()
         t, h = self.buffers.max_tokens, self.model.cfg.hidden_size
         dtype = self.model.embed_tokens.weight.dtype
 
@@ -60,9 +60,8 @@ class BreakableGraphRunner(GraphRunner):
             return torch.zeros(t, width, dtype=dtype, device=self.device)
 
         self.seg = SegmentBuffers(
-            residual=z(h), qkv=z(attn.q_size + 2 * attn.kv_size), attn=z(attn.q_size),
-            hidden=z(h), q_size=attn.q_size, kv_size=attn.kv_size,
-        )  # fmt: skip
+            residual=z(h), qkv=z(sum(widths)), attn=z(out_width), hidden=z(h), widths=widths
+        )
 
     def _segment_fns(self, bucket: int, attention: BoundAttention) -> list:
         s, m = self.seg, self.model
@@ -70,8 +69,8 @@ class BreakableGraphRunner(GraphRunner):
         residual, qkv, attn_out = s.residual[:bucket], s.qkv[:bucket], s.attn[:bucket]
         views = s.qkv_views(bucket)
 
-        def keep(res: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-            for dst, src in zip((residual, *views), (res, q, k, v), strict=True):
+        def keep(*outs: torch.Tensor) -> None:  # the residual, then the attention inputs
+            for dst, src in zip((residual, *views), outs, strict=True):
                 place(dst, src)
 
         def first() -> None:
@@ -89,8 +88,8 @@ class BreakableGraphRunner(GraphRunner):
         return [first, *(middle(i) for i in range(1, len(m.layers))), last]
 
     def _attend(self, i: int, bucket: int, attention: BoundAttention) -> None:
-        q, k, v = self.seg.qkv_views(bucket)
-        place(self.seg.attn[:bucket], attention(q, k, v, self.model.key(i), self.seg.attn[:bucket]))
+        out = self.seg.attn[:bucket]
+        place(out, self.model.attend(i, self.seg.qkv_views(bucket), attention, out))
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         real = tuple(n for n in capture_seq_lens if n > 0)

@@ -1,0 +1,203 @@
+"""DeepSeek V2 / V3 decoders (arXiv:2405.04434, arXiv:2412.19437): MLA attention
+(service.model.mla), mixture-of-experts MLPs (service.model.moe) after the first
+``first_k_dense_replace`` dense layers, RMSNorm with the residual add fused, YaRN rotary.
+
+The model keeps :class:`~service.model.llama.CausalLM`'s runner contract: segments between
+attention calls (each stores its layer's cache entry), :meth:`attend` between them,
+:meth:`attention_io` for the static buffers of ``breakable``, and the output tail ``logits``.
+A decode forward (the bound attention says so) computes only the MQA path's inputs.
+
+Shapes: T tokens, H hidden.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from service.model.arch_config import ArchConfig
+from service.model.attention import AttentionKey, AttentionRegistry, BoundAttention
+from service.model.kernels import Kernels
+from service.model.llama import MLP, CausalLM, RMSNorm
+from service.model.mla import MlaAttention, Rope
+from service.model.moe import MoE
+from service.model.parallel import ParallelLMHead, TPGroup, VocabParallelEmbedding
+from service.model.rotary import RotaryEmbedding
+
+ShardId = object
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        layer_id: int,
+        tp: TPGroup,
+        registry: AttentionRegistry,
+        kernels: Kernels,
+    ) -> None:
+        super().__init__()
+        self.self_attn = MlaAttention(cfg, layer_id, tp, registry, kernels)
+        self.mlp = MoE(cfg, tp, kernels) if cfg.is_moe_layer(layer_id) else MLP(cfg, tp, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+
+    def pre_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, decode: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Layer input x (T, H) -> residual stream with x added, and the attention inputs."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual)
+        return residual, self.self_attn.inputs(h, rope, decode)
+
+    def post_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor, decode: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.self_attn.output(attn_out, decode)
+        h, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(h), residual
+
+
+class DeepseekLM(CausalLM):
+    """DeepSeek V2/V3 with the same runner contract as the Llama family."""
+
+    def __init__(  # CausalLM's attributes, built with DeepSeek's layers
+        self, cfg: ArchConfig, tp: TPGroup, max_positions: int, kernels: Kernels | None = None
+    ) -> None:
+        nn.Module.__init__(self)
+        mla = cfg.mla
+        if mla is None:
+            raise ValueError("DeepseekLM needs an MLA config")
+        self.cfg = cfg
+        self.tp = tp
+        self.kernels = kernels or Kernels()
+        self.registry = AttentionRegistry()
+        self.rotary = RotaryEmbedding(
+            mla.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(cfg, i, tp, self.registry, self.kernels)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        )
+
+    def key(self, i: int) -> AttentionKey:
+        return self.layers[i].self_attn.key_mqa
+
+    def kv_entry(self) -> tuple[int, int, int]:
+        """(parts, heads, width) of one token's KV-cache entry per layer: the latent and the
+        rotary key, whole on every rank."""
+        return 1, 1, self.cfg.mla.cache_dim  # type: ignore[union-attr]
+
+    def attention_io(self) -> tuple[tuple[int, ...], int]:
+        return self.layers[0].self_attn.io_widths()
+
+    def _rope(self, positions: torch.Tensor) -> Rope:
+        cos, sin = self.rotary.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, -1)
+        return cos, sin
+
+    def first_segment(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: BoundAttention,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Embed and start layer 0: -> residual (T, H) and its attention inputs; stored."""
+        x = self.embed_tokens(input_ids)
+        residual, inputs = self.layers[0].pre_attention(
+            x, None, self._rope(positions), attention.decode
+        )
+        self.layers[0].self_attn.store(inputs, attention)
+        return (residual, *inputs)
+
+    def middle_segment(
+        self,
+        i: int,
+        residual: torch.Tensor,
+        attn_out: torch.Tensor,
+        positions: torch.Tensor,
+        attention: BoundAttention,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        decode = attention.decode
+        x, residual = self.layers[i - 1].post_attention(attn_out, residual, decode)
+        residual, inputs = self.layers[i].pre_attention(x, residual, self._rope(positions), decode)
+        self.layers[i].self_attn.store(inputs, attention)
+        return (residual, *inputs)
+
+    def last_segment(
+        self, residual: torch.Tensor, attn_out: torch.Tensor, decode: bool = False
+    ) -> torch.Tensor:
+        x, residual = self.layers[-1].post_attention(attn_out, residual, decode)
+        return self.norm.add(x, residual)[0]
+
+    def attend(
+        self,
+        i: int,
+        inputs: tuple[torch.Tensor, ...],
+        attention: BoundAttention,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.layers[i].self_attn.attend(inputs, attention, out)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: BoundAttention
+    ) -> torch.Tensor:
+        residual, *inputs = self.first_segment(input_ids, positions, attention)
+        for i in range(1, len(self.layers)):
+            out = self.attend(i - 1, tuple(inputs), attention)
+            residual, *inputs = self.middle_segment(i, residual, out, positions, attention)
+        out = self.attend(len(self.layers) - 1, tuple(inputs), attention)
+        return self.last_segment(residual, out, attention.decode)
+
+    # ---- checkpoint names ------------------------------------------------------------------
+    _EXPERT = re.compile(
+        r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"
+    )
+    _DENSE = re.compile(r"^model\.layers\.(\d+)\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$")
+    _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+    def map_checkpoint_name(self, hf_name: str) -> tuple[str, ShardId] | None:
+        """HF tensor name -> (our parameter name, shard id), or None for tensors not used
+        (rotary tables, V3's multi-token-prediction layers past num_hidden_layers)."""
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None
+        layer = self._LAYER.match(hf_name)
+        if layer and int(layer.group(1)) >= self.cfg.num_hidden_layers:
+            return None
+        m = self._EXPERT.match(hf_name)
+        if m:
+            base = f"layers.{m.group(1)}.mlp.experts"
+            expert = int(m.group(2))
+            if m.group(3) == "down":
+                return f"{base}.w2", expert
+            return f"{base}.w13", (expert, 0 if m.group(3) == "gate" else 1)
+        m = self._DENSE.match(hf_name)
+        if m:
+            return f"layers.{m.group(1)}.mlp.{m.group(2) or ''}gate_up_proj.weight", (
+                0 if m.group(3) == "gate" else 1
+            )
+        return hf_name.removeprefix("model."), None
+
+    def expected_checkpoint_shards(self) -> set[tuple[str, ShardId]]:
+        expected: set[tuple[str, ShardId]] = set()
+        experts = self.cfg.moe.num_experts if self.cfg.moe else 0
+        for name, _ in self.named_parameters():
+            if name.endswith("gate_up_proj.weight"):
+                expected |= {(name, 0), (name, 1)}
+            elif name.endswith("experts.w13"):
+                expected |= {(name, (e, p)) for e in range(experts) for p in (0, 1)}
+            elif name.endswith("experts.w2"):
+                expected |= {(name, e) for e in range(experts)}
+            else:
+                expected.add((name, None))
+        return expected
