@@ -14,7 +14,7 @@ from service.errors import RankFailure
 from service.executors.ray import RayExecutor
 from service.sampling import SamplingParams
 from tests.faults import RankFaults, faulty_actor
-from tests.hf_models import make_llama
+from tests.hf_models import make_deepseek_v3, make_llama
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6] * 7, [2, 7, 1, 8] * 5, [42]]
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -43,10 +43,17 @@ def hf_llama(tmp_path_factory):
     return str(out)
 
 
+@pytest.fixture(scope="module")
+def hf_deepseek(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepseek_tp")
+    make_deepseek_v3(out)  # MLA heads and each expert's intermediate dim split over the ranks
+    return str(out)
+
+
 @pytest.mark.parametrize("backend", ["full", "breakable", "tc_piecewise"])
-@pytest.mark.parametrize("model", ["builtin", "hf"])
-def test_tp2_matches_tp1(ray_local, backend, model, hf_llama):
-    path = hf_llama if model == "hf" else None
+@pytest.mark.parametrize("model", ["builtin", "hf", "deepseek"])
+def test_tp2_matches_tp1(ray_local, backend, model, hf_llama, hf_deepseek):
+    path = {"builtin": None, "hf": hf_llama, "deepseek": hf_deepseek}[model]
     ref = Engine(cfg(1, backend, path)).generate(PROMPTS, GREEDY)
     engine = Engine(cfg(2, backend, path))
     try:

@@ -187,10 +187,15 @@ class MlaAttention(nn.Module):
             q_mqa, entry = inputs
             return attention(q_mqa, entry, entry, self.key_mqa, out)
         q_mha, k_mha, v_mha, q_mqa, entry = inputs
-        w = self.mha_width
-        if out is None:
-            out = torch.empty(q_mha.shape[0], w + self.mqa_width, dtype=q_mha.dtype,
-                              device=q_mha.device)  # fmt: skip
+        if out is None:  # eager and compiled forwards
+            return torch.cat(
+                (
+                    attention(q_mha, k_mha, v_mha, self.key_mha),
+                    attention(q_mqa, entry, entry, self.key_mqa),
+                ),
+                dim=-1,
+            )
+        w = self.mha_width  # a runner's buffer: each path writes its columns
         for res, dst in (
             (attention(q_mha, k_mha, v_mha, self.key_mha, out[:, :w]), out[:, :w]),
             (attention(q_mqa, entry, entry, self.key_mqa, out[:, w:]), out[:, w:]),

@@ -1,7 +1,7 @@
 """DeepSeek's mixture of experts: the router (V2 softmax, V3 sigmoid with a correction bias,
 grouped top-k) and the routed experts, graph-safe.
 
-The routed experts run as two grouped GEMMs (``torch._grouped_mm``) over the token-expert pairs
+The routed experts run as two grouped GEMMs (service.model.grouped_gemm) over the token-expert pairs
 sorted by expert: every shape is fixed by the token count (T*k pairs), the per-expert group
 offsets are computed on the device, and nothing reads a count back to the host, so the whole
 layer captures into a CUDA graph (and traces on CPU) for any routing. A loop over experts, as
@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from service.errors import CheckpointError
 from service.model.arch_config import ArchConfig, MoeConfig
+from service.model.grouped_gemm import grouped_mm
 from service.model.kernels import Kernels
 from service.model.parallel import (
     ColumnParallelLinear,
@@ -117,9 +118,8 @@ class RoutedExperts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offsets = counts.cumsum(0, dtype=torch.int32)  # end of each expert's group
-        gate_up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets)  # (T*k, 2I)
-        out = torch._grouped_mm(self.kernels.silu_and_mul(gate_up), self.w2.transpose(1, 2),
-                                offs=offsets)  # (T*k, H)  # fmt: skip
+        gate_up = grouped_mm(rows, self.w13.transpose(1, 2), offsets)  # (T*k, 2I)
+        out = grouped_mm(self.kernels.silu_and_mul(gate_up), self.w2.transpose(1, 2), offsets)
         out = out * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype)
         pairs = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, choice) order
         return pairs.view(t, k, -1).sum(1)

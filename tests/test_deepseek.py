@@ -1,0 +1,175 @@
+"""DeepSeek V2/V3 (MLA + MoE) against Hugging Face transformers' own implementations, and
+through every prefill graph backend and the decode graphs on CPU.
+
+Tiny random checkpoints written by transformers (tests.hf_models): V2's structure (plain q
+projection, softmax greedy routing) and V3's (q LoRA, sigmoid grouped routing with a correction
+bias, normalised and scaled weights), both with YaRN and one dense layer before the experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
+from service.engine import Engine
+from service.model.attention import MLA_LATENT, MLA_NEW, AttentionKey
+from service.ranks.attention.base import AttentionBackend
+from service.sampling import SamplingParams
+from tests.hf_models import hf_logits, make_deepseek_v2, make_deepseek_v3
+
+TOL = 1e-4
+PROMPTS = [[5, 17, 99, 3, 250, 8, 8, 1], [42] * 3, list(range(10, 60)), [7]]
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["v2", "v3"])
+def checkpoint(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"deepseek_{request.param}")
+    model = (make_deepseek_v2 if request.param == "v2" else make_deepseek_v3)(out)
+    return out, model
+
+
+def engine_for(path, backend: str = "eager", decode_graphs: bool = False, **kw) -> Engine:
+    chunked = kw.pop("chunked_prefill_size", None)
+    cfg = EngineConfig(
+        model_path=str(path),
+        dtype="float32",
+        device="cpu",
+        context_length=kw.pop("context_length", 128),
+        max_running_requests=kw.pop("max_running_requests", 4),
+        kv_cache_memory_bytes=8 << 20,
+        graph=GraphConfig(backend=backend, buckets=kw.pop("buckets", None), **kw),
+        decode=DecodeGraphConfig(enabled=decode_graphs),
+        chunked_prefill_size=chunked,
+    )
+    engine = Engine(cfg)
+    engine.return_logits = True
+    return engine
+
+
+def test_the_cache_holds_one_latent_entry_per_token(checkpoint):
+    path, _ = checkpoint
+    worker = engine_for(path).executor.worker
+    kv = worker.kv
+    # kv_lora_rank 32 + qk_rope_head_dim 8, once per token and layer: no per-head keys/values
+    assert kv.layout.parts == 1 and kv.k[0].shape[1:] == (1, 40)
+    assert kv.v[0].data_ptr() == kv.k[0].data_ptr()
+    reg = worker.model.registry
+    mha, mqa = reg.spec(AttentionKey(1, "mha")), reg.spec(AttentionKey(1, "mqa"))
+    assert (mha.kind, mha.num_kv_heads, mha.head_dim) == (MLA_NEW, 4, 24)
+    assert (mqa.kind, mqa.num_kv_heads, mqa.head_dim) == (MLA_LATENT, 1, 40)
+    assert worker.info.attention.name == "torch"
+
+
+def test_prefill_of_several_requests_matches(checkpoint):
+    path, hf = checkpoint
+    engine = engine_for(path)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=1))
+    ((batch, result),) = engine.last_logits
+    assert batch.command.is_prefill and len(batch.requests) == len(PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        ref = hf_logits(hf, prompt)[-1]
+        assert (result.logits[i] - ref).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("decode_graphs", [False, True])
+def test_chunked_prefill_on_a_cached_prefix_and_decode_match(checkpoint, decode_graphs):
+    path, hf = checkpoint
+    engine = engine_for(path, chunked_prefill_size=16, decode_graphs=decode_graphs)
+    prompt = PROMPTS[2]  # 50 tokens: chunks of 16, 16, 16, 2 over a growing cached prefix
+    (out,) = engine.generate([prompt], GREEDY)
+    prefills = [b for b, _ in engine.last_logits if b.command.is_prefill]
+    assert [b.command.prefix_lens[0] for b in prefills] == [0, 16, 32, 48]
+    full = prompt + out.output_ids
+    ref = hf_logits(hf, full)
+    pos = len(prompt) - 1
+    for batch, result in engine.last_logits:
+        if batch.command.is_prefill and batch.command.prefix_lens[0] + 16 < len(prompt):
+            continue
+        assert (result.logits[0] - ref[pos]).abs().max().item() < TOL, pos
+        pos += 1
+    assert pos == len(full) - 1
+    expected = {"graph": 5, "eager": 0} if decode_graphs else {"graph": 0, "eager": 5}
+    assert out.meta_info["decode_steps"] == expected
+
+
+def test_greedy_generation_matches_hf_generate(checkpoint):
+    path, hf = checkpoint
+    outs = engine_for(path).generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+            )[0, len(prompt) :].tolist()
+        assert out.output_ids == ref
+
+
+def mixed_run(engine: Engine, calls: list | None = None):
+    """Two requests whose second prefill batch mixes a continued request (cached prefix: the
+    MQA path) with a fresh one (the MHA path)."""
+    engine.last_logits.clear()
+    outs = engine.generate([list(range(3, 53)), [9, 4, 1, 7, 7, 2, 30, 11, 5, 6]], GREEDY)
+    prefills = [(b, r) for b, r in engine.last_logits if b.command.is_prefill]
+    return outs, prefills
+
+
+@pytest.mark.parametrize("backend", ["full", "breakable", "tc_piecewise"])
+def test_graph_replay_of_batches_using_both_paths_equals_eager(checkpoint, backend):
+    path, _ = checkpoint
+    kw = dict(chunked_prefill_size=32, buckets=(16, 32, 64))
+    eager = engine_for(path, **kw)
+    graph = engine_for(path, backend, **kw)
+    g_outs, g_prefills = mixed_run(graph)
+    e_outs, e_prefills = mixed_run(eager)
+    mixed = [b for b, _ in g_prefills if sorted(b.command.prefix_lens) == [0, 32]]
+    assert mixed, [b.command.prefix_lens for b, _ in g_prefills]
+    runner = graph.executor.worker.runner
+    replays = sum(c.replays for b in runner.captured_buckets() for c in runner.captured_calls(b))
+    assert replays >= len(g_prefills)  # every prefill went through the captured calls
+    for (gb, g), (_, e) in zip(g_prefills, e_prefills, strict=True):
+        assert g.record.graph_hit, g.record
+        diff = (g.logits - e.logits).abs().max().item()
+        assert diff < 1e-5, (gb.command.prefix_lens, diff)
+    assert [o.output_ids for o in g_outs] == [o.output_ids for o in e_outs]
+
+
+def test_each_path_gets_its_own_metadata_in_one_forward(checkpoint, monkeypatch):
+    """DESIGN invariant 8: the MHA path (192-wide heads for V2-Lite) must never be handed the
+    MQA path's metadata (576-wide, one KV head), though both share a layer id."""
+    path, _ = checkpoint
+    seen: list[tuple[str, str, int]] = []
+    heads = AttentionBackend.heads
+
+    def spy(self, q, key):
+        spec, q3 = heads(self, q, key)
+        seen.append((key.variant, spec.kind, q3.shape[-1]))
+        return spec, q3
+
+    monkeypatch.setattr(AttentionBackend, "heads", spy)
+    mixed_run(engine_for(path, chunked_prefill_size=32))
+    assert {s for s in seen if s[0] == "mha"} == {("mha", MLA_NEW, 24)}
+    assert {s for s in seen if s[0] == "mqa"} == {("mqa", MLA_LATENT, 40)}
+    # and a path handed the other's metadata fails loudly instead of attending wrongly
+    backend = engine_for(path).executor.worker.setup.eager_attention
+    with pytest.raises(ValueError, match="does not match its path's metadata"):
+        heads(backend, torch.zeros(3, 4 * 24), AttentionKey(1, "mqa"))
+
+
+def test_grouped_gemm_fallback_equals_the_native_kernel(monkeypatch):
+    """The fallback (CUDA fp16/fp32, where torch._grouped_mm does not run) against the native
+    kernel, with empty groups and a group holding every row."""
+    from service.model import grouped_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(12, 8, generator=gen)
+    b = torch.randn(4, 8, 16, generator=gen).transpose(1, 2).contiguous().transpose(1, 2)
+    for offs in ([3, 3, 10, 12], [0, 12, 12, 12], [1, 2, 3, 12]):
+        o = torch.tensor(offs, dtype=torch.int32)
+        native = grouped_gemm.grouped_mm(a, b, o)
+        monkeypatch.setattr(grouped_gemm, "native", lambda a: False)
+        fallback = grouped_gemm.grouped_mm(a, b, o)
+        monkeypatch.undo()
+        starts = [0, *offs[:-1]]
+        ref = torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, offs, strict=True))])
+        assert torch.allclose(native, ref, atol=1e-5) and torch.allclose(fallback, ref, atol=1e-5)
