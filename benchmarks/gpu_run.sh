@@ -4,7 +4,9 @@
 # others. Run from the repository root, carrying .fiw (FlashInfer, ../shared/tools/
 # device-wheels.sh fi) and .gpuw (fastapi/uvicorn/pydantic/hypothesis wheels):
 #
-#   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, serveprof, serveprof-uv
+#   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, serveprof, serveprof-uv,
+#                                                      # deepseek (V2-Lite shapes; no FlashInfer
+#                                                      # needed: warm-up skipped with NO_WARMUP=1)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -31,7 +33,7 @@ model_dir() {  # Qwen2.5-1.5B shapes from config.json alone (random bf16 weights
   echo $d
 }
 
-step warmup 240 python3 benchmarks/fi_warmup.py
+[ -z "${NO_WARMUP:-}" ] && step warmup 240 python3 benchmarks/fi_warmup.py
 for what in "$@"; do
   case $what in
     tests)
@@ -69,6 +71,28 @@ for what in "$@"; do
       [ "$what" != serve ] && kill -USR2 $SERVER
       kill $SERVER; wait $SERVER 2>/dev/null
       [ "$what" != serve ] && grep -A25 "== thread" "$OUT/server$SUFFIX.txt" | head -80 ;;
+    deepseek)
+      # DeepSeek-V2-Lite shapes, random bf16 weights: graph vs eager prefill per bucket, then
+      # the seed's scenario through `serve` (breakable, ctx 2048, pool 8, chunked 4096, the
+      # 4,096-token bucket as [2048, 2048], two 1,301-token prompts together)
+      D=/tmp/dsv2lite; mkdir -p $D
+      python3 -c "import json; from benchmarks.prefill_graphs import DEEPSEEK_V2_LITE as c; print(json.dumps(c))" >$D/config.json
+      TAIL=12 step deepseek_prefill 300 python3 benchmarks/prefill_graphs.py --model deepseek-v2-lite \
+        --backends breakable --buckets ${DS_BUCKETS:-256,1024,2048,4096} --context-length 2048 \
+        --chunked-prefill-size 4096 --iters 10 --kernel-count-buckets "" \
+        --out "$OUT/deepseek_prefill.json"
+      PORT=31235
+      python3 -m service serve --executor local --model $D --load-format random \
+        --prefill-backend breakable --prefill-buckets 4096 --context-length 2048 \
+        --max-running-requests 8 --chunked-prefill-size 4096 --port $PORT >"$OUT/server_deepseek.txt" 2>&1 &
+      SERVER=$!
+      for _ in $(seq 240); do
+        curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sleep 1
+      done
+      grep -E "Attention backend|Fused kernels|Capture|Engine ready" "$OUT/server_deepseek.txt"
+      step deepseek_seed 120 python3 benchmarks/seed_scenario.py --url http://127.0.0.1:$PORT \
+        --out "$OUT/deepseek_seed.json"
+      kill $SERVER; wait $SERVER 2>/dev/null ;;
     prefill)
       TAIL=40 step prefill 560 python3 benchmarks/prefill_graphs.py --iters 20 \
         --kernel-count-buckets 16,256,2048,8192 --profile 256 --hf-compiled "${HF:-}" \

@@ -1,7 +1,8 @@
 """Prefill latency per bucket: eager vs graph replay for each backend, side by side, one run.
 
-Model: Qwen2.5-1.5B shapes with random bf16 weights (``--load-format random`` from a config.json
-alone, through the same loader as real checkpoints). For every bucket the same real batch
+Model: Qwen2.5-1.5B shapes (or, with ``--model deepseek-v2-lite``, DeepSeek-V2-Lite's: MLA and
+64 routed experts) with random bf16 weights (``--load-format random`` from a config.json alone,
+through the same loader as real checkpoints). For every bucket the same real batch
 (``ceil(bucket / context_length)`` requests filling the bucket) runs eagerly and through each
 backend's captured graphs; the table shows medians of CUDA-event timings, the speedup, the
 physical floor (max of weight bytes over the measured copy bandwidth and FLOPs over the
@@ -53,6 +54,52 @@ QWEN25_15B = {
     "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
 }
+
+
+# DeepSeek-V2-Lite's config.json (deepseek-ai/DeepSeek-V2-Lite), the fields the model reads
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "tie_word_embeddings": False,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}
+MODELS = {"qwen2.5-1.5b": QWEN25_15B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
 
 
 def timed(fn, device: torch.device, iters: int) -> float:
@@ -151,6 +198,23 @@ def device_rates(device: torch.device) -> tuple[float, float]:
 
 
 def prefill_flops(cfg, seq_lens: list[int]) -> float:
+    if cfg.mla is not None:  # MoE: each token multiplies by its active parameters only
+        m, moe = cfg.mla, cfg.moe
+        unused = cfg.vocab_size * cfg.hidden_size  # the embedding is a lookup
+        if moe is not None:
+            moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+            per_expert = 3 * cfg.hidden_size * moe.moe_intermediate_size
+            unused += moe_layers * (moe.num_experts - moe.top_k) * per_expert
+        active = cfg.num_parameters() - unused
+        pairs = sum(n * (n + 1) / 2 for n in seq_lens)
+        attn = (
+            2
+            * cfg.num_hidden_layers
+            * cfg.num_attention_heads
+            * (m.qk_head_dim + m.v_head_dim)
+            * pairs
+        )
+        return 2 * sum(seq_lens) * active + attn
     t = sum(seq_lens)
     h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     linear = 2 * t * layers * (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i)
@@ -183,6 +247,7 @@ def main() -> int:
     ap.add_argument("--max-running-requests", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tiny", action="store_true", help="the built-in model (CPU smoke test)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this bucket")
     ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
@@ -197,7 +262,7 @@ def main() -> int:
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp())
-    (tmp / "config.json").write_text(json.dumps(QWEN25_15B))
+    (tmp / "config.json").write_text(json.dumps(MODELS[args.model]))
     base = EngineConfig(
         model_path=None if args.tiny else str(tmp),
         load_format="auto" if args.tiny else "random",

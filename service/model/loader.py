@@ -166,4 +166,10 @@ def build_model(
     for p in model.parameters():  # rotary tables stay float32 (buffers), routers too
         if not getattr(p, "keep_fp32", False):
             p.data = p.data.to(dtype)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if device.type == "cuda":
+        # the float32 originals are free now but still cached by the allocator: hand them back,
+        # or the KV budget (sized from the driver's free memory) and the capture memory figures
+        # (driver-level deltas) both miss them
+        torch.cuda.empty_cache()
+    return model
