@@ -37,10 +37,10 @@ model_dir() {  # Qwen2.5-1.5B shapes from config.json alone (random bf16 weights
 for what in "$@"; do
   case $what in
     tests)
-      step gpu_tests 330 python3 -m pytest -q -p no:cacheprovider -m gpu -x --deselect \
+      step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu -x --deselect \
         "tests/test_api.py::test_seed_scenario_on_cuda[breakable]" \
         tests/test_kernels.py tests/test_honest_replay.py tests/test_decode_graphs.py \
-        tests/test_flashinfer.py tests/test_graph_runners.py tests/test_api.py ;;
+        tests/test_flashinfer.py tests/test_graph_runners.py tests/test_api.py tests/test_deepseek.py ;;
     decode)
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
         --context 512 --iters 50 --profile 1 --out "$OUT/decode.json" ;;
@@ -78,7 +78,7 @@ for what in "$@"; do
       D=/tmp/dsv2lite; mkdir -p $D
       python3 -c "import json; from benchmarks.prefill_graphs import DEEPSEEK_V2_LITE as c; print(json.dumps(c))" >$D/config.json
       TAIL=12 step deepseek_prefill 300 python3 benchmarks/prefill_graphs.py --model deepseek-v2-lite \
-        --backends breakable --buckets ${DS_BUCKETS:-256,1024,2048,4096} --context-length 2048 \
+        --backends ${DS_BACKENDS:-breakable} --buckets ${DS_BUCKETS:-256,1024,2048,4096} --context-length 2048 \
         --chunked-prefill-size 4096 --iters 10 --kernel-count-buckets "" \
         --out "$OUT/deepseek_prefill.json"
       PORT=31235
