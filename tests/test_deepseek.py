@@ -203,7 +203,7 @@ def test_graphs_on_cuda_in_bfloat16_match_eager(tmp_path_factory, backend):
 
     graph, eager = make(backend), make("eager")
     g_outs, g_prefills = mixed_run(graph)
-    e_outs, e_prefills = mixed_run(eager)
+    _, e_prefills = mixed_run(eager)
     assert graph.resolved.graph_kind == "cuda" and graph.resolved.decode_graph_kind == "cuda"
     assert any(sorted(b.command.prefix_lens) == [0, 32] for b, _ in g_prefills)
     for (_, g), (_, e) in zip(g_prefills, e_prefills, strict=True):
@@ -211,6 +211,18 @@ def test_graphs_on_cuda_in_bfloat16_match_eager(tmp_path_factory, backend):
         rel = (g.logits - e.logits).abs().max() / e.logits.abs().max()
         assert rel.item() < 3e-2  # bf16 rounding and shape-dependent kernel choice
     assert all(o.meta_info["decode_steps"]["graph"] == 5 for o in g_outs)
-    agree = sum(a == b for o, r in zip(g_outs, e_outs, strict=True)
-                for a, b in zip(o.output_ids, r.output_ids, strict=True))  # fmt: skip
-    assert agree >= 10  # of 12 greedy tokens; a near-tie may flip under bf16
+    # greedy tokens: equal until the first step where they differ, and there only by a near-tie
+    # of the eager logits (bf16 kernels fused differently may flip one; the histories differ
+    # after it)
+    for prompt in ([9, 4, 1, 7, 7, 2, 30, 11, 5, 6], list(range(3, 40))):
+        steps = []
+        for e in (graph, eager):
+            e.last_logits.clear()
+            (out,) = e.generate([prompt], GREEDY)
+            steps.append((out.output_ids, [r.logits[0] for _, r in e.last_logits]))
+        (g_ids, _), (e_ids, e_logits) = steps
+        for j, (a, b) in enumerate(zip(g_ids, e_ids, strict=True)):
+            if a != b:
+                row = e_logits[j]
+                assert row[a] >= row.max() - 3e-2 * row.abs().max(), (j, a, b)
+                break
