@@ -226,3 +226,21 @@ def test_graphs_on_cuda_in_bfloat16_match_eager(tmp_path_factory, backend):
                 row = e_logits[j]
                 assert row[a] >= row.max() - 3e-2 * row.abs().max(), (j, a, b)
                 break
+
+
+def test_a_quantized_checkpoint_is_refused_with_what_to_do(tmp_path, checkpoint):
+    """V3's published weights are fp8 blocks with scales: loading them as plain tensors would
+    serve garbage, so the loader refuses them and names the way out."""
+    import json
+    import shutil
+
+    from service.errors import CheckpointError
+
+    path, _ = checkpoint
+    quantized = tmp_path / "fp8"
+    shutil.copytree(path, quantized)
+    cfg = json.loads((quantized / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="fp8-quantized weights are not supported; convert"):
+        engine_for(quantized)

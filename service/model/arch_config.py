@@ -90,6 +90,7 @@ class ArchConfig:
     torch_dtype: str
     mla: MlaConfig | None = None  # DeepSeek V2/V3
     moe: MoeConfig | None = None
+    quantization: str | None = None  # the checkpoint's quant_method (e.g. V3's "fp8"), if any
 
     @property
     def family(self) -> str:
@@ -188,6 +189,11 @@ def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchC
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             mla=mla,
             moe=parse_moe(raw, source) if family.startswith("deepseek") else None,
+            quantization=(
+                str((raw.get("quantization_config") or {}).get("quant_method", "unknown"))
+                if raw.get("quantization_config")
+                else None
+            ),
         )
     except KeyError as exc:
         raise CheckpointError(f"{source}: missing required field {exc.args[0]!r}") from None

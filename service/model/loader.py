@@ -160,6 +160,11 @@ def build_model(
     if load_format == "random":
         init_random(model, seed)
     elif load_format == "auto":
+        if cfg.quantization is not None:  # e.g. DeepSeek-V3's fp8 blocks with their scales
+            raise CheckpointError(
+                f"{model_dir}: {cfg.quantization}-quantized weights are not supported; convert "
+                "the checkpoint to bf16 first (or use --load-format random for its shapes)"
+            )
         load_weights(model, model_dir)
     else:
         raise CheckpointError(f"unknown load format {load_format!r}; use auto or random")
