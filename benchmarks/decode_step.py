@@ -1,6 +1,7 @@
 """Decode step time per batch size: eager vs decode graph replay, against the floor, one run.
 
-Model: Qwen2.5-1.5B shapes with random bf16 weights (benchmarks/prefill_graphs.py). For each
+Model: Qwen2.5-1.5B shapes (or ``--model deepseek-v2-lite``) with random bf16 weights
+(benchmarks/prefill_graphs.py). For each
 batch size B, B requests sit in the KV cache with ``--context`` tokens each; one decode step is
 the rank's whole ``execute`` of a decode command as the engine sends it (request-row writes, the
 batch's device tensors, the forward, logits, batched sampling and the one copy of the sampled ids
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.prefill_graphs import QWEN25_15B, device_rates
+from benchmarks.prefill_graphs import MODELS, device_rates
 from service.buckets import MISS_DISABLED
 from service.capture_result import CaptureStat
 from service.commands import ForwardCommand, RowWrite
@@ -73,6 +74,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512, help="cached tokens per request")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--tiny", action="store_true", help="the built-in model (CPU smoke test)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this batch size")
@@ -80,7 +82,7 @@ def main() -> int:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     tmp = Path(tempfile.mkdtemp())
-    (tmp / "config.json").write_text(json.dumps(QWEN25_15B))
+    (tmp / "config.json").write_text(json.dumps(MODELS[args.model]))
     ctx = 4096
     cfg = EngineConfig(
         model_path=None if args.tiny else str(tmp),

@@ -81,6 +81,11 @@ for what in "$@"; do
         --backends ${DS_BACKENDS:-breakable} --buckets ${DS_BUCKETS:-256,1024,2048,4096} --context-length 2048 \
         --chunked-prefill-size 4096 --iters 10 --kernel-count-buckets "" \
         --out "$OUT/deepseek_prefill.json"
+      for att in torch auto; do  # decode graphs: torch decode attention vs FlashInfer's MLA
+        step deepseek_decode_$att 240 python3 benchmarks/decode_step.py --model deepseek-v2-lite \
+          --batches 1,8,32 --context 512 --iters 30 --attention $att \
+          --out "$OUT/deepseek_decode_$att.json"
+      done
       PORT=31235
       python3 -m service serve --executor local --model $D --load-format random \
         --prefill-backend breakable --prefill-buckets 4096 --context-length 2048 \

@@ -91,3 +91,12 @@ def test_capture_layout_sentinels_are_dropped_before_padding():
     assert live.req_pool_indices == (0, 1) and live.extend_lens == (64, 36)
     pl = paged_layout(live, 64, num_slots=4)
     assert pl.kv_indptr.tolist() == [0, 64, 100, 101, 102]
+
+
+def test_mla_takes_flashinfer_for_decode_graphs_only_at_its_widths():
+    fi = choose_attention("auto", "cuda", "bfloat16", 192, None, mla=(512, 64))
+    assert fi.name == "flashinfer" and "MLA: decode graphs on FlashInfer's MLA" in fi.reason
+    other = choose_attention("auto", "cuda", "bfloat16", 192, None, mla=(32, 8))
+    assert other.name == "torch" and "not FlashInfer's (512, 64)" in other.reason
+    with pytest.raises(ConfigError, match="MLA widths"):
+        choose_attention("flashinfer", "cuda", "bfloat16", 192, None, mla=(32, 8))

@@ -69,6 +69,9 @@ class AttentionRegistry:
     def keys(self) -> list[AttentionKey]:
         return sorted(self._specs)
 
+    def specs(self) -> list[AttentionSpec]:
+        return [self._specs[key] for key in self.keys()]
+
     def kinds(self) -> set[str]:
         return {spec.kind for spec in self._specs.values()}
 

@@ -45,14 +45,20 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def pre_attention(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, decode: bool
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        decode: bool,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Layer input x (T, H) -> residual stream with x added, and the attention inputs."""
+        """Layer input x (T, H) -> residual stream with x added, and the attention inputs
+        (written into ``out``'s columns when given)."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add(x, residual)
-        return residual, self.self_attn.inputs(h, rope, decode)
+        return residual, self.self_attn.inputs(h, rope, decode, out)
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor, decode: bool
@@ -111,10 +117,11 @@ class DeepseekLM(CausalLM):
         attention: BoundAttention,
         qkv_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        """Embed and start layer 0: -> residual (T, H) and its attention inputs; stored."""
+        """Embed and start layer 0: -> residual (T, H) and its attention inputs, written into
+        ``qkv_out`` (a runner's buffer of ``attention_io`` widths) when given; stored."""
         x = self.embed_tokens(input_ids)
         residual, inputs = self.layers[0].pre_attention(
-            x, None, self._rope(positions), attention.decode
+            x, None, self._rope(positions), attention.decode, qkv_out
         )
         self.layers[0].self_attn.store(inputs, attention)
         return (residual, *inputs)
@@ -130,7 +137,8 @@ class DeepseekLM(CausalLM):
     ) -> tuple[torch.Tensor, ...]:
         decode = attention.decode
         x, residual = self.layers[i - 1].post_attention(attn_out, residual, decode)
-        residual, inputs = self.layers[i].pre_attention(x, residual, self._rope(positions), decode)
+        rope = self._rope(positions)
+        residual, inputs = self.layers[i].pre_attention(x, residual, rope, decode, qkv_out)
         self.layers[i].self_attn.store(inputs, attention)
         return (residual, *inputs)
 

@@ -144,10 +144,14 @@ class MlaAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
         return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
 
-    def inputs(self, h: torch.Tensor, rope: Rope, decode: bool) -> tuple[torch.Tensor, ...]:
+    def inputs(
+        self, h: torch.Tensor, rope: Rope, decode: bool, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """Normed hidden (T, H_model) -> the attention inputs: decode (q_mqa (T, H*C),
         entry (T, C)); prefill (q_mha, k_mha, v_mha (T, H*Q), q_mqa, entry). ``entry`` is what
-        the cache stores."""
+        the cache stores. A prefill writes them into the columns of ``out`` (T, sum of
+        ``io_widths``) when given (``breakable``'s buffer), so they are assembled once, where
+        attention reads them."""
         m, t, n = self.m, h.shape[0], self.num_heads
         if m.q_lora_rank is None:
             q = self.q_proj(h)
@@ -159,18 +163,38 @@ class MlaAttention(nn.Module):
         latent = self.kv_a_layernorm(kv_a[:, : m.kv_lora_rank].contiguous())  # (T, L)
         q_pe = rope_interleaved(q_pe, rope)  # (T, H, R)
         k_pe = rope_interleaved(kv_a[:, m.kv_lora_rank :].unsqueeze(1), rope)  # (T, 1, R)
-        entry = torch.cat((latent, k_pe.squeeze(1)), dim=-1)  # (T, C)
         w_uk, _ = self._w_uk_uv()
         q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (T, H, L)
-        q_mqa = torch.cat((q_absorbed, q_pe), dim=-1).reshape(t, -1)  # (T, H*C)
         if decode:
-            return q_mqa, entry
+            entry = torch.cat((latent, k_pe.squeeze(1)), dim=-1)  # (T, C)
+            return torch.cat((q_absorbed, q_pe), dim=-1).reshape(t, -1), entry
         kv = self.kv_b_proj(latent).view(t, n, -1)  # (T, H, N + V)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-        k_mha = torch.cat((k_nope, k_pe.expand(t, n, m.qk_rope_head_dim)), dim=-1)
-        q_mha = torch.cat((q_nope, q_pe), dim=-1)
-        v_mha = F.pad(v, (0, m.qk_head_dim - m.v_head_dim))  # query-shaped output, see above
-        return q_mha.reshape(t, -1), k_mha.reshape(t, -1), v_mha.reshape(t, -1), q_mqa, entry
+        if out is None:
+            entry = torch.cat((latent, k_pe.squeeze(1)), dim=-1)
+            q_mqa = torch.cat((q_absorbed, q_pe), dim=-1).reshape(t, -1)  # (T, H*C)
+            k_mha = torch.cat((k_nope, k_pe.expand(t, n, m.qk_rope_head_dim)), dim=-1)
+            q_mha = torch.cat((q_nope, q_pe), dim=-1)
+            v_mha = F.pad(v, (0, m.qk_head_dim - m.v_head_dim))  # query-shaped output
+            return q_mha.reshape(t, -1), k_mha.reshape(t, -1), v_mha.reshape(t, -1), q_mqa, entry
+        widths, _ = self.io_widths()
+        views = out.split(list(widths), dim=-1)
+        heads = (m.qk_head_dim, m.qk_head_dim, m.qk_head_dim, m.cache_dim)
+        q_mha, k_mha, v_mha, q_mqa = (x.view(t, n, d) for x, d in zip(views, heads, strict=False))
+        for dst, parts in (
+            (q_mha, (q_nope, q_pe)),
+            (k_mha, (k_nope, k_pe)),
+            (v_mha, (v, None)),  # zero-padded to the query's width
+            (q_mqa, (q_absorbed, q_pe)),
+            (views[4], (latent, k_pe.squeeze(1))),
+        ):
+            first = parts[0].shape[-1]
+            dst[..., :first].copy_(parts[0])
+            if parts[1] is None:
+                dst[..., first:].zero_()
+            else:
+                dst[..., first:].copy_(parts[1])
+        return views
 
     def store(self, inputs: tuple[torch.Tensor, ...], attention: BoundAttention) -> None:
         entry = inputs[-1]

@@ -17,18 +17,27 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_DTYPES = ("float16", "bfloat16")
 
 
-MLA_BLOCKER = (
-    "multi-head latent attention (DeepSeek) runs on the torch attention paths; FlashInfer's MLA "
-    "wrappers are not wired in yet"
-)
+# FlashInfer's MLA kernels are instantiated for these (kv_lora_rank, qk_rope_head_dim)
+FLASHINFER_MLA_DIMS = (512, 64)
 
 
 def flashinfer_blocker(
-    device_type: str, dtype: str, head_dim: int, import_error: str | None, mla: bool = False
+    device_type: str,
+    dtype: str,
+    head_dim: int,
+    import_error: str | None,
+    mla: tuple[int, int] | None = None,
 ) -> str | None:
-    """Why FlashInfer cannot serve this rank, or None when it can."""
-    if mla:
-        return MLA_BLOCKER
+    """Why FlashInfer cannot serve this rank, or None when it can. ``mla``: the model's
+    (kv_lora_rank, qk_rope_head_dim) when its attention is MLA (then FlashInfer serves its
+    decode graphs only; prefill stays on torch)."""
+    if mla is not None and device_type == "cuda" and mla != FLASHINFER_MLA_DIMS:
+        return (
+            f"MLA widths {mla} (kv_lora_rank, qk_rope_head_dim) are not FlashInfer's "
+            f"{FLASHINFER_MLA_DIMS}"
+        )
+    if mla is not None:
+        head_dim = 64  # the checks below do not apply to MLA's head dims
     if device_type != "cuda":
         return f"FlashInfer needs a CUDA device (this rank runs on {device_type})"
     if import_error is not None:
@@ -63,10 +72,17 @@ def choose_attention(
     dtype: str,
     head_dim: int,
     import_error: str | None,
-    mla: bool = False,
+    mla: tuple[int, int] | None = None,
 ) -> BackendChoice:
     blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error, mla)
-    return choose(requested, "--attention-backend", blocker)
+    choice = choose(requested, "--attention-backend", blocker)
+    if mla is not None and choice.name == "flashinfer":
+        return BackendChoice(
+            "flashinfer",
+            f"{choice.reason}; MLA: decode graphs on FlashInfer's MLA paged wrapper, prefill "
+            "and eager decode on torch",
+        )
+    return choice
 
 
 def choose_kernels(

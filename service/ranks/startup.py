@@ -107,7 +107,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
     req_to_token = ReqToTokenPool(max_running_requests, context_length, device)
     choice = choose_attention(
         cfg.attention_backend, device.type, dtype_name, arch.head_dim, fi_error,
-        mla=arch.mla is not None,
+        mla=None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim),
     )  # fmt: skip
     log.info("Attention backend: %s (%s)", choice.name, choice.reason)
     eager, graph, decode = attention_backends(choice, cfg, model, kv, req_to_token)
@@ -145,6 +145,21 @@ def attention_backends(
     """(eager attention, graph-safe attention of the ``full`` backend, graph-safe decode
     attention) for the choice."""
     args = (model.registry, kv, req_to_token)
+    mla = model.cfg.mla
+    if mla is not None:  # prefill and eager decode on torch; decode graphs as chosen
+        from service.ranks.attention.torch_decode import TorchDecodeAttention
+        from service.ranks.attention.torch_slots import TorchSlotAttention
+        from service.ranks.attention.torch_varlen import TorchVarlenAttention
+
+        decode: AttentionBackend = TorchDecodeAttention(*args)
+        if choice.name == "flashinfer":
+            from service.ranks.attention.flashinfer_mla import FlashInferMlaDecodeAttention
+
+            decode = FlashInferMlaDecodeAttention(
+                *args, kv_lora_rank=mla.kv_lora_rank, max_size=req_to_token.num_rows,
+                kernel=cfg.flashinfer_kernel,
+            )  # fmt: skip
+        return TorchVarlenAttention(*args), TorchSlotAttention(*args), decode
     if choice.name == "flashinfer":
         from service.ranks.attention.flashinfer_backend import (
             FlashInferAttention,
