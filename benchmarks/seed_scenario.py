@@ -8,7 +8,7 @@ call so that they share a prefill batch), reads /server_info, and prints what a 
 graph hit or miss, the bucket and its synthetic capture lengths, and the capture's seconds and
 memory (the bucket hit, the 4,096-token bucket, and every bucket together).
 
-    python benchmarks/seed_scenario.py --url http://127.0.0.1:31234 --out seed.json
+    python benchmarks/seed_scenario.py --url http://127.0.0.1:30000 --out seed.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def call(url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--url", default="http://127.0.0.1:31234")
+    ap.add_argument("--url", default="http://127.0.0.1:30000")
     ap.add_argument("--prompt-len", type=int, default=1301)
     ap.add_argument("--new-tokens", type=int, default=4)
     ap.add_argument("--out", default=None)
