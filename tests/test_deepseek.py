@@ -130,7 +130,10 @@ def test_graph_replay_of_batches_using_both_paths_equals_eager(checkpoint, backe
     for (gb, g), (_, e) in zip(g_prefills, e_prefills, strict=True):
         assert g.record.graph_hit, g.record
         diff = (g.logits - e.logits).abs().max().item()
-        assert diff < 1e-5, (gb.command.prefix_lens, diff)
+        if backend == "full":  # the graph-safe slot attention: float32 rounding apart
+            assert diff < 1e-5, (gb.command.prefix_lens, diff)
+        else:  # the same kernels at the same shapes, padded tokens routed to experts too
+            assert diff == 0.0, (gb.command.prefix_lens, diff)
     assert [o.output_ids for o in g_outs] == [o.output_ids for o in e_outs]
 
 

@@ -23,8 +23,7 @@ from service.model.kernels import Kernels
 from service.model.llama import MLP, CausalLM, RMSNorm
 from service.model.mla import MlaAttention, Rope
 from service.model.moe import MoE
-from service.model.parallel import ParallelLMHead, TPGroup, VocabParallelEmbedding
-from service.model.rotary import RotaryEmbedding
+from service.model.parallel import TPGroup
 
 ShardId = object
 
@@ -71,29 +70,18 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekLM(CausalLM):
     """DeepSeek V2/V3 with the same runner contract as the Llama family."""
 
-    def __init__(  # CausalLM's attributes, built with DeepSeek's layers
+    layer_class = DeepseekDecoderLayer
+
+    @staticmethod
+    def rotary_dim(cfg: ArchConfig) -> int:
+        return cfg.mla.qk_rope_head_dim  # type: ignore[union-attr]
+
+    def __init__(
         self, cfg: ArchConfig, tp: TPGroup, max_positions: int, kernels: Kernels | None = None
     ) -> None:
-        nn.Module.__init__(self)
-        mla = cfg.mla
-        if mla is None:
+        if cfg.mla is None:
             raise ValueError("DeepseekLM needs an MLA config")
-        self.cfg = cfg
-        self.tp = tp
-        self.kernels = kernels or Kernels()
-        self.registry = AttentionRegistry()
-        self.rotary = RotaryEmbedding(
-            mla.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
-        )
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(cfg, i, tp, self.registry, self.kernels)
-            for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        )
+        super().__init__(cfg, tp, max_positions, kernels)
 
     def key(self, i: int) -> AttentionKey:
         return self.layers[i].self_attn.key_mqa

@@ -169,7 +169,17 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The decoder. ``forward`` returns final hidden states; ``logits`` is the output tail."""
+    """The decoder. ``forward`` returns final hidden states; ``logits`` is the output tail.
+
+    A family with other layers (service.model.deepseek) sets ``layer_class`` and
+    ``rotary_dim`` and keeps everything else: embedding, final norm, LM head, the runner
+    contract."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+
+    @staticmethod
+    def rotary_dim(cfg: ArchConfig) -> int:
+        return cfg.head_dim
 
     def __init__(
         self, cfg: ArchConfig, tp: TPGroup, max_positions: int, kernels: Kernels | None = None
@@ -179,10 +189,12 @@ class CausalLM(nn.Module):
         self.tp = tp
         self.kernels = kernels or Kernels()
         self.registry = AttentionRegistry()
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            self.rotary_dim(cfg), max_positions, cfg.rope_theta, cfg.rope_scaling
+        )
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, self.registry, self.kernels)
+            self.layer_class(cfg, i, tp, self.registry, self.kernels)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)

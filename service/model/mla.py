@@ -37,21 +37,11 @@ from service.model.attention import (
     BoundAttention,
 )
 from service.model.kernels import Kernels
+from service.model.llama import RMSNorm
 from service.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
 from service.model.rotary import yarn_mscale
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (T, 1, R/2) float32
-
-
-class Norm(nn.Module):
-    def __init__(self, size: int, eps: float, kernels: Kernels) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.eps = eps
-        self.kernels = kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class ReplicatedLinear(nn.Module):
@@ -106,12 +96,12 @@ class MlaAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(h, [heads * m.qk_head_dim], tp, bias=False)
         else:
             self.q_a_proj = ReplicatedLinear(h, m.q_lora_rank)
-            self.q_a_layernorm = Norm(m.q_lora_rank, cfg.rms_norm_eps, kernels)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps, kernels)
             self.q_b_proj = ColumnParallelLinear(
                 m.q_lora_rank, [heads * m.qk_head_dim], tp, bias=False
             )
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, m.cache_dim)
-        self.kv_a_layernorm = Norm(m.kv_lora_rank, cfg.rms_norm_eps, kernels)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps, kernels)
         self.kv_b_proj = ColumnParallelLinear(
             m.kv_lora_rank, [heads * (m.qk_nope_head_dim + m.v_head_dim)], tp, bias=False
         )
