@@ -110,6 +110,12 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         mla=None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim),
     )  # fmt: skip
     log.info("Attention backend: %s (%s)", choice.name, choice.reason)
+    if arch.mla is not None and cfg.graph.backend == "full":
+        log.warning(
+            "Prefill backend full with MLA: its graph-safe attention is the torch slot "
+            "attention, several times slower than eager prefill for MLA (docs/benchmarks.md); "
+            "use --prefill-backend breakable"
+        )
     eager, graph, decode = attention_backends(choice, cfg, model, kv, req_to_token)
     info = RankInfo(
         rank=tp.rank,
