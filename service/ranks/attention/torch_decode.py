@@ -25,6 +25,16 @@ def decode_attend(
     spec, q3 = backend.heads(q, key)
     keys = backend.kv.k[spec.kv_layer][rows]  # (B, W, Hkv, D)
     values = backend.kv.v[spec.kv_layer][rows]
+    if spec.num_kv_heads == 1:  # one shared KV head (MLA's latent path): the query heads
+        # become one head's query rows, so no kernel copies the keys once per query head
+        res = F.scaled_dot_product_attention(
+            q3.unsqueeze(1),  # (B, 1, Hq, D)
+            keys.transpose(1, 2),  # (B, 1, W, D)
+            values.transpose(1, 2),
+            attn_mask=mask,  # (B, 1, 1, W): the same keys for every query row
+            scale=spec.scale,
+        ).reshape(q.shape[0], -1)  # (B, Hq*D)
+        return res if out is None else out.copy_(res)
     res = F.scaled_dot_product_attention(
         q3.unsqueeze(2),  # (B, Hq, 1, D)
         keys.transpose(1, 2),  # (B, Hkv, W, D)
