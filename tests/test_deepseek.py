@@ -314,7 +314,7 @@ def _our_router(hf_router, cfg: dict):
     from service.model.arch_config import parse_moe
     from service.model.moe import Router
 
-    moe = parse_moe(cfg, "test")
+    moe = parse_moe(cfg, "test", v3=cfg["architectures"] == ["DeepseekV3ForCausalLM"])
     ours = Router(moe, cfg["hidden_size"])
     with torch.no_grad():
         ours.weight.copy_(hf_router.weight)

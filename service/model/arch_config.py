@@ -110,10 +110,11 @@ class ArchConfig:
     def num_parameters(self) -> int:
         """Parameter count (embedding counted once when tied)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        if self.mla is not None:
+        if self.mla is None:
+            attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+            if self.attention_bias:
+                attn += self.q_size + 2 * self.kv_size
+        else:
             m, heads = self.mla, self.num_attention_heads
             q = heads * m.qk_head_dim
             q_proj = h * q if m.q_lora_rank is None else (h + q) * m.q_lora_rank + m.q_lora_rank
@@ -188,7 +189,7 @@ def parse_arch_config(raw: dict[str, Any], source: str = "config.json") -> ArchC
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             mla=mla,
-            moe=parse_moe(raw, source) if family.startswith("deepseek") else None,
+            moe=parse_moe(raw, source, v3=family == "deepseek_v3") if mla else None,
             quantization=(
                 str((raw.get("quantization_config") or {}).get("quant_method", "unknown"))
                 if raw.get("quantization_config")
@@ -210,12 +211,12 @@ def parse_mla(raw: dict[str, Any]) -> MlaConfig:
     )
 
 
-def parse_moe(raw: dict[str, Any], source: str) -> MoeConfig | None:
-    """The routed experts of a DeepSeek config, or None when it has none (a dense model)."""
+def parse_moe(raw: dict[str, Any], source: str, v3: bool) -> MoeConfig | None:
+    """The routed experts of a DeepSeek config, or None when it has none (a dense model).
+    ``v3``: V3's defaults (sigmoid scoring, noaux_tc) where the config names none."""
     experts = raw.get("n_routed_experts")
     if not experts:
         return None
-    v3 = SUPPORTED_ARCHITECTURES.get((raw.get("architectures") or [""])[0]) == "deepseek_v3"
     scoring = raw.get("scoring_func") or ("sigmoid" if v3 else "softmax")
     method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
     if scoring not in ("softmax", "sigmoid"):

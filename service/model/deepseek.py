@@ -24,6 +24,7 @@ from service.model.llama import MLP, CausalLM, RMSNorm
 from service.model.mla import MlaAttention, Rope
 from service.model.moe import MoE
 from service.model.parallel import TPGroup
+from service.model.rotary import cos_sin_at
 
 ShardId = object
 
@@ -95,8 +96,7 @@ class DeepseekLM(CausalLM):
         return self.layers[0].self_attn.io_widths()
 
     def _rope(self, positions: torch.Tensor) -> Rope:
-        cos, sin = self.rotary.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, -1)
-        return cos, sin
+        return cos_sin_at(self.rotary.cos_sin_cache, positions)  # type: ignore[return-value]
 
     def first_segment(
         self,
@@ -145,16 +145,6 @@ class DeepseekLM(CausalLM):
     ) -> torch.Tensor:
         return self.layers[i].self_attn.attend(inputs, attention, out)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: BoundAttention
-    ) -> torch.Tensor:
-        residual, *inputs = self.first_segment(input_ids, positions, attention)
-        for i in range(1, len(self.layers)):
-            out = self.attend(i - 1, tuple(inputs), attention)
-            residual, *inputs = self.middle_segment(i, residual, out, positions, attention)
-        out = self.attend(len(self.layers) - 1, tuple(inputs), attention)
-        return self.last_segment(residual, out, attention.decode)
-
     # ---- checkpoint names ------------------------------------------------------------------
     _EXPERT = re.compile(
         r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"
@@ -184,16 +174,12 @@ class DeepseekLM(CausalLM):
             )
         return hf_name.removeprefix("model."), None
 
-    def expected_checkpoint_shards(self) -> set[tuple[str, ShardId]]:
-        expected: set[tuple[str, ShardId]] = set()
+    def checkpoint_shards(self, name: str) -> tuple[ShardId, ...] | None:
+        """The shards of the routed experts' stacked parameters (one per expert, gate and up
+        apart), or None for the loader's default."""
         experts = self.cfg.moe.num_experts if self.cfg.moe else 0
-        for name, _ in self.named_parameters():
-            if name.endswith("gate_up_proj.weight"):
-                expected |= {(name, 0), (name, 1)}
-            elif name.endswith("experts.w13"):
-                expected |= {(name, (e, p)) for e in range(experts) for p in (0, 1)}
-            elif name.endswith("experts.w2"):
-                expected |= {(name, e) for e in range(experts)}
-            else:
-                expected.add((name, None))
-        return expected
+        if name.endswith("experts.w13"):
+            return tuple((e, p) for e in range(experts) for p in (0, 1))
+        if name.endswith("experts.w2"):
+            return tuple(range(experts))
+        return None

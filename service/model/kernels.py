@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from service.model.rotary import cos_sin_at
+
 
 class Kernels:
     """The reference: exactly the arithmetic of the original model code (plain torch)."""
@@ -43,8 +45,7 @@ class Kernels:
     def rope_context(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> object:
         """What rotary needs for this forward's positions, looked up once for every layer:
         (cos, sin), each (T, 1, D/2) float32."""
-        cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+        return cos_sin_at(cos_sin_cache, positions)
 
     def rope(
         self, ctx: object, q: torch.Tensor, k: torch.Tensor, head_dim: int

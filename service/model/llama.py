@@ -109,13 +109,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, tp: TPGroup, kernels: Kernels) -> None:
+    """SwiGLU. ``intermediate_size`` defaults to the config's; DeepSeek's shared experts are
+    this MLP at their own width."""
+
+    def __init__(
+        self, cfg: ArchConfig, tp: TPGroup, kernels: Kernels, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=False
-        )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter] * 2, tp, bias=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
         self.kernels = kernels
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+        """The output before the all-reduce (a MoE layer adds the routed experts first)."""
+        return self.down_proj.partial(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         # Compiled (tc_piecewise) pieces run it whole: inductor fuses the activation into one
@@ -268,12 +276,14 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: BoundAttention
     ) -> torch.Tensor:
-        """input_ids, positions (T,) -> final hidden states (T, H)."""
-        residual, q, k, v = self.first_segment(input_ids, positions, attention)
+        """input_ids, positions (T,) -> final hidden states (T, H). The segments and
+        :meth:`attend` run end to end: the same code a segment runner captures piecewise."""
+        residual, *inputs = self.first_segment(input_ids, positions, attention)
         for i in range(1, len(self.layers)):
-            out = self.attend(i - 1, (q, k, v), attention)
-            residual, q, k, v = self.middle_segment(i, residual, out, positions, attention)
-        return self.last_segment(residual, self.attend(len(self.layers) - 1, (q, k, v), attention))
+            out = self.attend(i - 1, tuple(inputs), attention)
+            residual, *inputs = self.middle_segment(i, residual, out, positions, attention)
+        out = self.attend(len(self.layers) - 1, tuple(inputs), attention)
+        return self.last_segment(residual, out, attention.decode)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Selected hidden states (N, H) -> logits (N, V) in float32."""

@@ -83,6 +83,15 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, object]]:
                 yield name, f.get_slice(name)
 
 
+def default_shards(name: str) -> tuple[object, ...]:
+    """The checkpoint shards one of our parameters is loaded from (fused projections)."""
+    if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        return ("q", "k", "v")
+    if name.endswith("gate_up_proj.weight"):
+        return (0, 1)
+    return (None,)
+
+
 def load_weights(model: CausalLM, model_dir: Path) -> None:
     params = dict(model.named_parameters())
     loaded: set[tuple[str, object]] = set()
@@ -104,17 +113,11 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         except CheckpointError as exc:
             raise CheckpointError(f"tensor {hf_name} in {model_dir}: {exc}") from None
         loaded.add((name, shard))
-    if hasattr(model, "expected_checkpoint_shards"):
-        expected = model.expected_checkpoint_shards()
-    else:
-        expected = set()
-        for name in params:
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                expected |= {(name, s) for s in ("q", "k", "v")}
-            elif name.endswith("gate_up_proj.weight"):
-                expected |= {(name, 0), (name, 1)}
-            else:
-                expected.add((name, None))
+    family_shards = getattr(model, "checkpoint_shards", None)  # a family's own fused params
+    expected: set[tuple[str, object]] = set()
+    for name in params:
+        shards = (family_shards(name) if family_shards else None) or default_shards(name)
+        expected |= {(name, s) for s in shards}
     missing = sorted(f"{n}{'' if s is None else f'[{s}]'}" for n, s in expected - loaded)
     if missing:
         raise CheckpointError(

@@ -27,13 +27,8 @@ from service.errors import CheckpointError
 from service.model.arch_config import ArchConfig, MoeConfig
 from service.model.grouped_gemm import grouped_mm
 from service.model.kernels import Kernels
-from service.model.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TPGroup,
-    shape_of,
-    take,
-)
+from service.model.llama import MLP
+from service.model.parallel import TPGroup, shape_of, take
 
 
 def keep_fp32(param: nn.Parameter) -> nn.Parameter:
@@ -138,27 +133,14 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(moe, cfg.hidden_size, tp, kernels)
         self.kernels = kernels
         self.shared_experts = None
-        if moe.num_shared_experts:
-            self.shared_experts = SharedExperts(
-                cfg.hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, tp, kernels
+        if moe.num_shared_experts:  # a dense MLP; its partial sum joins the routed experts'
+            self.shared_experts = MLP(
+                cfg, tp, kernels, moe.moe_intermediate_size * moe.num_shared_experts
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts.partial(x)
         return self.tp.all_reduce(out)
-
-
-class SharedExperts(nn.Module):
-    """A dense SwiGLU MLP whose output stays a partial sum (the MoE all-reduces it)."""
-
-    def __init__(self, hidden: int, inter: int, tp: TPGroup, kernels: Kernels) -> None:
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden, [inter] * 2, tp, bias=False)
-        self.down_proj = RowParallelLinear(inter, hidden, tp)
-        self.kernels = kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.kernels.silu_and_mul(self.gate_up_proj(x)), self.down_proj.weight)

@@ -163,8 +163,12 @@ class RowParallelLinear(nn.Module):
                 take(loaded, 1, self.tp.rank * self.in_local, self.in_local).to(param.dtype)
             )
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # (T, in_local) -> (T, out)
+        """This rank's partial sum, for a caller that adds other partials before reducing."""
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in_local) -> (T, out)
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(self.partial(x))
 
 
 class VocabParallelEmbedding(nn.Module):

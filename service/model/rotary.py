@@ -72,6 +72,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
     return inv.float()
 
 
+def cos_sin_at(cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(cos, sin) of the table at each position, each (T, 1, D/2) float32: looked up once per
+    forward and shared by every layer."""
+    return tuple(cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1))
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin table, built once in float32: (P, D) with cos in the first half of each row
     and sin in the second (the layout FlashInfer's rotary kernel reads). The rotation itself is a
