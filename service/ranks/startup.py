@@ -152,21 +152,7 @@ def attention_backends(
     attention) for the choice."""
     args = (model.registry, kv, req_to_token)
     mla = model.cfg.mla
-    if mla is not None:  # prefill and eager decode on torch; decode graphs as chosen
-        from service.ranks.attention.torch_decode import TorchDecodeAttention
-        from service.ranks.attention.torch_slots import TorchSlotAttention
-        from service.ranks.attention.torch_varlen import TorchVarlenAttention
-
-        decode: AttentionBackend = TorchDecodeAttention(*args)
-        if choice.name == "flashinfer":
-            from service.ranks.attention.flashinfer_mla import FlashInferMlaDecodeAttention
-
-            decode = FlashInferMlaDecodeAttention(
-                *args, kv_lora_rank=mla.kv_lora_rank, max_size=req_to_token.num_rows,
-                kernel=cfg.flashinfer_kernel,
-            )  # fmt: skip
-        return TorchVarlenAttention(*args), TorchSlotAttention(*args), decode
-    if choice.name == "flashinfer":
+    if choice.name == "flashinfer" and mla is None:
         from service.ranks.attention.flashinfer_backend import (
             FlashInferAttention,
             FlashInferGraphAttention,
@@ -182,4 +168,12 @@ def attention_backends(
     from service.ranks.attention.torch_slots import TorchSlotAttention
     from service.ranks.attention.torch_varlen import TorchVarlenAttention
 
-    return TorchVarlenAttention(*args), TorchSlotAttention(*args), TorchDecodeAttention(*args)
+    decode_graphs: AttentionBackend = TorchDecodeAttention(*args)
+    if choice.name == "flashinfer" and mla is not None:  # MLA: FlashInfer for decode graphs only
+        from service.ranks.attention.flashinfer_mla import FlashInferMlaDecodeAttention
+
+        decode_graphs = FlashInferMlaDecodeAttention(
+            *args, kv_lora_rank=mla.kv_lora_rank, max_size=req_to_token.num_rows,
+            kernel=cfg.flashinfer_kernel,
+        )  # fmt: skip
+    return TorchVarlenAttention(*args), TorchSlotAttention(*args), decode_graphs

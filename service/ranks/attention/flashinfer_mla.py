@@ -22,11 +22,7 @@ import torch
 
 from service.model.attention import MLA_LATENT, AttentionRegistry, BoundAttention
 from service.ranks.attention.base import Bound, PlannedAttention
-from service.ranks.attention.flashinfer_backend import (
-    FLOAT_WORKSPACE_BYTES,
-    INT_WORKSPACE_BYTES,
-    live_layout,
-)
+from service.ranks.attention.flashinfer_backend import FLOAT_WORKSPACE_BYTES, live_layout
 from service.ranks.attention.paged_layout import paged_layout
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
@@ -74,7 +70,6 @@ class FlashInferMlaDecodeAttention(PlannedAttention):
         self.kv_indptr = z(max_size + 1)
         self.kv_indices = z(max_size * ctx + max_size)
         self.kv_len = z(max_size)
-        self.int_workspace = z(INT_WORKSPACE_BYTES, torch.uint8)
         self._wrappers: dict[int, Any] = {}
 
     def _wrapper(self, size: int) -> Any:
