@@ -60,12 +60,10 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 # DeepSeek shapes scaled down: MLA with YaRN, routed + shared experts after one dense layer.
 # Widths are multiples of 4 (the grouped GEMM's 16-byte strides in float32).
 DEEPSEEK_TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
+    TINY,
     intermediate_size=96,
     moe_intermediate_size=32,
     num_hidden_layers=3,
-    num_attention_heads=4,
     num_key_value_heads=4,
     n_routed_experts=8,
     n_shared_experts=1,
@@ -75,11 +73,6 @@ DEEPSEEK_TINY = dict(
     qk_nope_head_dim=16,
     qk_rope_head_dim=8,
     v_head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
     rope_parameters={
         "rope_type": "yarn",
         "rope_theta": 10000.0,

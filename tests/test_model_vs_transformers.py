@@ -11,12 +11,21 @@ from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.errors import CheckpointError, RequestError
 from service.sampling import SamplingParams
-from tests.hf_models import hf_logits, make_llama, make_qwen2
+from tests.hf_models import (
+    hf_logits,
+    make_deepseek_v2,
+    make_deepseek_v3,
+    make_llama,
+    make_qwen2,
+)
 
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "llama_sharded_llama3rope", "qwen2"])
+@pytest.fixture(
+    scope="module",
+    params=["llama", "llama_sharded_llama3rope", "qwen2", "deepseek_v2", "deepseek_v3"],
+)
 def checkpoint(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     if request.param == "llama":
@@ -34,8 +43,10 @@ def checkpoint(request, tmp_path_factory):
             },
         )
         assert (out / "model.safetensors.index.json").is_file()
-    else:
+    elif request.param == "qwen2":
         model = make_qwen2(out)
+    else:  # MLA + MoE (more of the family in tests/test_deepseek.py)
+        model = (make_deepseek_v2 if request.param == "deepseek_v2" else make_deepseek_v3)(out)
     return out, model
 
 
