@@ -44,18 +44,20 @@ for what in "$@"; do
     decode)
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
         --context 512 --iters 50 --profile 1 --out "$OUT/decode.json" ;;
-    serve|serveprof|serveprof-uv)
+    serve|serve-si|serveprof|serveprof-uv)
       # serveprof: concurrency 32 only, the server under benchmarks/host_profile.py; serveprof-uv:
       # the same with uvloop and httptools (wheels carried in .uvw) importable, so uvicorn's
-      # "auto" picks them
+      # "auto" picks them; serve-si: concurrency 32 only, the interpreter switch interval at
+      # $SI seconds (default 0.0002) instead of the server's 0.001
       M=$(model_dir); PORT=31234; CLI=(python3 -m service); SUFFIX=${what#serve}; PYPATH=$PYTHONPATH
-      [ "$what" != serve ] && CLI=(python3 benchmarks/host_profile.py --on-signal \
+      SI_ENV=(); [ "$what" = serve-si ] && SI_ENV=(CAPTURE_SERVICE_SWITCH_INTERVAL_S=${SI:-0.0002})
+      [[ $what == serveprof* ]] && CLI=(python3 benchmarks/host_profile.py --on-signal \
         --out "$OUT/host_profile$SUFFIX.json" --)
       if [ "$what" = serveprof-uv ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site-uv" .uvw/*.whl
         PYPATH="$HOME/site-uv:$PYTHONPATH"
       fi
-      PYTHONPATH=$PYPATH "${CLI[@]}" serve --executor local --model $M --load-format random \
+      env "${SI_ENV[@]}" PYTHONPATH=$PYPATH "${CLI[@]}" serve --executor local --model $M --load-format random \
         --context-length 2048 --max-running-requests 64 --port $PORT >"$OUT/server$SUFFIX.txt" 2>&1 &
       SERVER=$!
       for _ in $(seq 240); do
@@ -64,13 +66,13 @@ for what in "$@"; do
       grep -E "Engine ready|Capture (prefill|decode) graphs done" "$OUT/server$SUFFIX.txt"
       [ "$what" = serve ] && step serve_c1 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
         --num-requests 16 --input-len 256 --output-len 128 --concurrency 1 --out "$OUT/serve_c1.json"
-      [ "$what" != serve ] && kill -USR1 $SERVER  # record the concurrency-32 window only
+      [[ $what == serveprof* ]] && kill -USR1 $SERVER  # record the concurrency-32 window only
       step serve_c32$SUFFIX 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
         --num-requests 128 --input-len 256 --output-len 128 --concurrency 32 \
         --out "$OUT/serve_c32$SUFFIX.json"
-      [ "$what" != serve ] && kill -USR2 $SERVER
+      [[ $what == serveprof* ]] && kill -USR2 $SERVER
       kill $SERVER; wait $SERVER 2>/dev/null
-      [ "$what" != serve ] && grep -A25 "== thread" "$OUT/server$SUFFIX.txt" | head -80 ;;
+      [[ $what == serveprof* ]] && grep -A25 "== thread" "$OUT/server$SUFFIX.txt" | head -80 ;;
     deepseek)
       # DeepSeek-V2-Lite shapes, random bf16 weights: graph vs eager prefill per bucket, then
       # the seed's scenario through `serve` (breakable, ctx 2048, pool 8, chunked 4096, the

@@ -195,11 +195,37 @@ async def collect(
     return results
 
 
+async def next_event(h: Handle) -> tuple[str, object] | None:
+    """The handle's next event, or None when none came within the disconnect poll interval.
+    An event already queued (the engine posts once per step) is taken without awaiting."""
+    try:
+        return h.events.get_nowait()
+    except asyncio.QueueEmpty:
+        pass
+    try:
+        async with asyncio.timeout(DISCONNECT_POLL_S):
+            return await h.events.get()
+    except TimeoutError:
+        return None
+
+
 async def events(runtime: EngineRuntime, handles: list[Handle], request: Request):
     """(index, handle, kind, payload) of every event of ``handles`` as it comes; aborts the rest
     when the client goes away or the consumer stops early."""
     pending = {h.rid: (i, h) for i, h in enumerate(handles)}
     try:
+        if len(handles) == 1:  # the common case, without a task and a wait per token
+            h = handles[0]
+            while pending:
+                event = await next_event(h)
+                if event is None:
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError
+                    continue
+                if event[0] in ("done", "error"):
+                    pending.pop(h.rid)
+                yield 0, h, event[0], event[1]
+            return
         while pending:
             getters = {asyncio.ensure_future(h.events.get()): (i, h) for i, h in pending.values()}
             done, rest = await asyncio.wait(

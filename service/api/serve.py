@@ -26,8 +26,24 @@ log = logging.getLogger("service.api")
 # The engine loop and the HTTP event loop are two threads of one process. When a step's device
 # work ends, the engine thread waits for the interpreter lock while the event loop streams;
 # Python hands the lock over every switch interval (5 ms by default), which would add up to 5 ms
-# to every step under load. 1 ms bounds that wait.
+# to every step under load. 1 ms bounds that wait. CAPTURE_SERVICE_SWITCH_INTERVAL_S overrides it
+# (benchmarks/gpu_run.sh measures the choice).
 SWITCH_INTERVAL_S = 0.001
+
+
+def switch_interval_s() -> float:
+    raw = os.environ.get("CAPTURE_SERVICE_SWITCH_INTERVAL_S")
+    if raw is None:
+        return SWITCH_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 0.1:
+        raise SystemExit(
+            f"CAPTURE_SERVICE_SWITCH_INTERVAL_S={raw!r}: give seconds in (0, 0.1], e.g. 0.0005"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,8 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
     from service.logs import setup_logging
 
     setup_logging(logging.INFO)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    sys.setswitchinterval(switch_interval_s())
+    log.info("Interpreter switch interval: %g s", sys.getswitchinterval())
     if uses_ray(cfg):
         # Ray's core worker installs its own SIGTERM/SIGINT handlers (which end the process at
         # once) when it connects: connect here, in the main thread, before uvicorn installs the

@@ -75,25 +75,26 @@ class ReqToTokenPool:
     def write_many(self, writes: list[tuple[int, int, list[int] | tuple[int, ...]]]) -> None:
         """``table[row, start : start + len(slots)] = slots`` for every write, in one indexed
         store (one host-to-device copy), not one per request."""
-        rows: list[int] = []
-        cols: list[int] = []
+        flat: list[int] = []  # row * context_length + column, into table.view(-1)
         vals: list[int] = []
+        ctx = self.context_length
         for row, start, slots in writes:
             end = start + len(slots)
-            if end > self.context_length:
+            if end > ctx:
                 raise ValueError(
-                    f"request row {row} would hold {end} tokens, more than context_length "
-                    f"{self.context_length}"
+                    f"request row {row} would hold {end} tokens, more than context_length {ctx}"
                 )
-            rows += [row] * len(slots)
-            cols += range(start, end)
+            flat += range(row * ctx + start, row * ctx + end)
             vals += slots
         if not vals:
             return
-        packed = torch.tensor([rows, cols, vals], dtype=torch.int64)
-        if self.table.is_cuda:
-            packed = packed.pin_memory().to(self.table.device, non_blocking=True)
-        self.table.index_put_((packed[0], packed[1]), packed[2])
+        n = len(vals)
+        host = torch.empty(2 * n, dtype=torch.int64, pin_memory=self.table.is_cuda)
+        a = host.numpy()
+        a[:n] = flat
+        a[n:] = vals
+        packed = host.to(self.table.device, non_blocking=True) if self.table.is_cuda else host
+        self.table.view(-1).index_copy_(0, packed[:n], packed[n:])
 
 
 class TokenKVPool:

@@ -64,6 +64,7 @@ class FlashInferBase(PlannedAttention):
         self.fi = flashinfer
         self.kernel = kernel
         self.device = kv.k[0].device
+        self.pin = self.device.type == "cuda"  # host layouts in pinned memory: async copies
         self.dtype = kv.layout.dtype
         self.workspace = (
             workspace
@@ -111,9 +112,9 @@ class FlashInferAttention(FlashInferBase):
         path = self.path(layout)
         wrappers = {"ragged": self._ragged, "paged": self._paged, "decode": self._decode}[path]
         if path == "ragged":  # K/V of this pass only: no KV indices to gather
-            qo, pl, kv_indices = indptr(layout.extend_lens), None, None
+            qo, pl, kv_indices = indptr(layout.extend_lens, self.pin), None, None
         else:
-            pl = paged_layout(layout, self.req_to_token.context_length)
+            pl = paged_layout(layout, self.req_to_token.context_length, pin=self.pin)
             qo, kv_indices = pl.qo_indptr, pl.kv_indices(self.req_to_token.table)
         for shape, wrapper in wrappers.items():
             self._plan(path, wrapper, shape, qo, pl, kv_indices)
@@ -241,7 +242,9 @@ class FlashInferGraphAttention(FlashInferBase):
     def prepare(self, batch: ForwardBatch, bucket: int) -> None:
         num_slots = batch.req_pool_indices.shape[0]
         bufs = self._buffers_for(num_slots)
-        pl = paged_layout(live_layout(batch.layout), self.req_to_token.context_length, num_slots)
+        pl = paged_layout(
+            live_layout(batch.layout), self.req_to_token.context_length, num_slots, self.pin
+        )
         kv_indices = pl.kv_indices(self.req_to_token.table)
         for shape in self.head_shapes:
             self._wrapper(bucket, shape, bufs).plan(

@@ -63,7 +63,9 @@ class FlashInferDecodeGraphAttention(FlashInferBase):
     def prepare(self, batch: ForwardBatch, size: int) -> None:
         if size > self.max_size:
             raise ValueError(f"decode size {size} exceeds the planned maximum {self.max_size}")
-        pl = paged_layout(live_layout(batch.layout), self.req_to_token.context_length, size)
+        pl = paged_layout(
+            live_layout(batch.layout), self.req_to_token.context_length, size, self.pin
+        )
         kv_indices = pl.kv_indices(self.req_to_token.table)
         for shape in self.head_shapes:
             self._wrapper(size, shape).plan(

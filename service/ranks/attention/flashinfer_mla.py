@@ -56,6 +56,7 @@ class FlashInferMlaDecodeAttention(PlannedAttention):
         )
         self.ckv = kv_lora_rank
         self.device = kv.k[0].device
+        self.pin = self.device.type == "cuda"  # host layouts in pinned memory: async copies
         self.dtype = kv.layout.dtype
         major = torch.cuda.get_device_capability(self.device)[0]
         self.backend = kernel if kernel in ("fa2", "fa3") else ("fa3" if major >= 9 else "fa2")
@@ -91,7 +92,9 @@ class FlashInferMlaDecodeAttention(PlannedAttention):
     def prepare(self, batch: ForwardBatch, size: int) -> None:
         if size > self.max_size:
             raise ValueError(f"decode size {size} exceeds the planned maximum {self.max_size}")
-        pl = paged_layout(live_layout(batch.layout), self.req_to_token.context_length, size)
+        pl = paged_layout(
+            live_layout(batch.layout), self.req_to_token.context_length, size, self.pin
+        )
         kv_len = pl.kv_indptr[1:] - pl.kv_indptr[:-1]
         metadata = self.mla.MLAPlanMetadata.csr(
             torch.arange(size + 1, dtype=torch.int32),  # one query row per slot

@@ -2,7 +2,9 @@
 
 Every token's K/V lives in its own slot of the token pool, so a "page" is one slot and every
 request's last page holds one token. Built on the host from the batch's host copy of the lengths
-(no device sync); the KV indices are gathered on the device from the request-to-token table.
+(no device sync) with numpy: this runs before every decode step and graph replay, where a dozen
+small torch CPU ops cost ~250 us and each releases the GIL that the HTTP thread competes for.
+The KV indices are gathered on the device from the request-to-token table.
 
 For a graph of a fixed request axis (``num_slots``), requests past the real ones are sentinels:
 no query rows and one KV entry, the reserved padding slot, so that no kernel sees an empty KV
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from service.padding import PADDING_SLOT
@@ -47,40 +50,61 @@ class PagedLayout:
         return real.to(torch.int32)
 
 
-def indptr(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """(n+1,) int32 host offsets of consecutive ranges of these lengths."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+def _offsets(lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """(n+1,) int32 offsets of consecutive ranges of these lengths."""
+    if out is None:
+        out = np.empty(len(lengths) + 1, dtype=np.int32)
+    out[0] = 0
+    np.cumsum(lengths, out=out[1:])
     return out
 
 
+def _host(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """A host tensor and its numpy view. Pinned when it feeds a device copy: a copy from
+    pageable memory synchronizes the stream (FlashInfer's plan copies its indptr arguments),
+    and each synchronization hands the GIL to whoever else wants it."""
+    t = torch.empty(n, dtype=dtype, pin_memory=pin)
+    return t, t.numpy()
+
+
+def indptr(lengths: list[int] | tuple[int, ...], pin: bool = False) -> torch.Tensor:
+    """(n+1,) int32 host offsets of consecutive ranges of these lengths."""
+    t, a = _host(len(lengths) + 1, torch.int32, pin)
+    _offsets(np.asarray(lengths, dtype=np.int64), a)
+    return t
+
+
 def paged_layout(
-    layout: BatchLayout, context_length: int, num_slots: int | None = None
+    layout: BatchLayout, context_length: int, num_slots: int | None = None, pin: bool = False
 ) -> PagedLayout:
-    """The FlashInfer layout of ``layout``, padded with sentinels to ``num_slots`` requests."""
+    """The FlashInfer layout of ``layout``, padded with sentinels to ``num_slots`` requests;
+    ``pin``: its host tensors in pinned memory (they are copied to a CUDA device)."""
     real = layout.num_requests
     slots = real if num_slots is None else num_slots
     if slots < real:
         raise ValueError(f"{real} requests do not fit {slots} request slots")
-    seq_lens = list(layout.seq_lens)
-    if any(n > context_length for n in seq_lens):
-        raise ValueError(f"a request of {max(seq_lens)} tokens exceeds context {context_length}")
     sentinels = slots - real
-    qo = indptr(list(layout.extend_lens) + [0] * sentinels)
-    kv = indptr(seq_lens + [1] * sentinels)
-    if seq_lens:
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
-        rows = torch.tensor(layout.req_pool_indices, dtype=torch.int64)
-        starts = torch.repeat_interleave(rows * context_length, lens)  # row base per KV entry
-        offsets = torch.arange(int(lens.sum())) - torch.repeat_interleave(kv[:real].long(), lens)
-        table_index = starts + offsets
-    else:
-        table_index = torch.zeros(0, dtype=torch.int64)
+    seq = np.asarray(layout.seq_lens, dtype=np.int64)
+    if real and int(seq.max()) > context_length:
+        raise ValueError(f"a request of {int(seq.max())} tokens exceeds context {context_length}")
+    extend = np.zeros(slots, dtype=np.int64)
+    extend[:real] = layout.extend_lens
+    kv_lens = np.ones(slots, dtype=np.int64)  # a sentinel holds one entry: the padding slot
+    kv_lens[:real] = seq
+    # one int32 host buffer: qo_indptr | kv_indptr | kv_last_page_len
+    small, a = _host(3 * slots + 2, torch.int32, pin)
+    _offsets(extend, a[: slots + 1])
+    kv = _offsets(kv_lens, a[slots + 1 : 2 * slots + 2])
+    a[2 * slots + 2 :] = 1
+    # entry j of request i reads table[row_i, j]: flat index row_i * context + (e - kv[i])
+    rows = np.asarray(layout.req_pool_indices, dtype=np.int64)
+    base = np.repeat(rows * context_length - kv[:real], seq)
+    table_index, ti = _host(base.shape[0], torch.int64, pin)
+    np.add(base, np.arange(base.shape[0], dtype=np.int64), out=ti)
     return PagedLayout(
-        qo_indptr=qo,
-        kv_indptr=kv,
-        kv_last_page_len=torch.ones(slots, dtype=torch.int32),
+        qo_indptr=small[: slots + 1],
+        kv_indptr=small[slots + 1 : 2 * slots + 2],
+        kv_last_page_len=small[2 * slots + 2 :],
         table_index=table_index,
         num_sentinels=sentinels,
     )
