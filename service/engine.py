@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -88,7 +89,7 @@ class Engine:
         )
 
     # ---- the loop ----------------------------------------------------------------------------
-    def step(self) -> StepOutcome | None:
+    def step(self, on_launched: Callable[[], None] | None = None) -> StepOutcome | None:
         """Run one batch; None when there was nothing to run.
 
         Whatever goes wrong inside a step (a rank failure, or any bug on this side) fails the
@@ -99,7 +100,7 @@ class Engine:
             if self.failure is not None:  # before scheduling: a dead engine allocates nothing
                 raise RankFailure(self.failure)
             try:
-                return self._step()
+                return self._step(on_launched)
             except Exception as exc:
                 named = isinstance(exc, RankFailure)
                 self.fail(str(exc) if named else f"{type(exc).__name__}: {exc}")
@@ -115,7 +116,7 @@ class Engine:
             if failed:
                 log.error("Aborted %d requests: %s", len(failed), self.failure)
 
-    def _step(self) -> StepOutcome | None:
+    def _step(self, on_launched: Callable[[], None] | None) -> StepOutcome | None:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
@@ -123,7 +124,7 @@ class Engine:
             batch = ScheduledBatch(
                 replace(batch.command, return_logits=True), batch.requests, batch.chunk_lens
             )
-        result = self.executor.execute(batch.command)
+        result = self.executor.execute(batch.command, on_launched)
         if self.return_logits:
             self.last_logits.append((batch, result))
         if result.record is not None:  # one line per prefill batch, for operators to grep

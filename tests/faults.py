@@ -124,13 +124,13 @@ class FaultyLocalExecutor(LocalExecutor):
         runner = self.worker.runner
         runner.capture_bucket = failing_capture(runner.capture_bucket, self.faults)
 
-    def execute(self, cmd):
+    def execute(self, cmd, on_launched=None):
         self.forwards += 1
         if self.raise_on_forward is not None and self.forwards >= self.raise_on_forward:
             raise self.forward_error
         if self.hang_on_forward is not None and self.forwards >= self.hang_on_forward:
             time.sleep(3600)  # a device that never returns: only the watchdog notices
-        return super().execute(cmd)
+        return super().execute(cmd, on_launched)
 
 
 __all__ = ["FaultyLocalExecutor", "RankFaults", "faulty_actor"]

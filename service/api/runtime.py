@@ -81,6 +81,10 @@ class EngineRuntime:
         self._step_started: float | None = None
         self._draining = False
         self._max_running = 0
+        # a step's token events, handed to the handlers once the next step's device work is
+        # queued: the event loop formats and writes them while the device runs, instead of
+        # competing for the interpreter lock with the next step's host work
+        self._undelivered: list[Event] = []
 
     # ---- called from handlers and the server ----------------------------------------------------
     def start(self) -> None:
@@ -196,6 +200,7 @@ class EngineRuntime:
             try:
                 self._turn()
             except Exception as exc:  # never die silently: fail loudly, keep answering
+                self._flush()  # what earlier steps produced goes out before the failure
                 reason = (
                     str(exc) if isinstance(exc, RankFailure) else f"{type(exc).__name__}: {exc}"
                 )
@@ -208,6 +213,7 @@ class EngineRuntime:
                 self._recover(self.engine.failure)
                 if self.state == "failed":
                     return
+        self._flush()
 
     def _set_engine(self, engine: Engine) -> None:
         self.engine = engine
@@ -251,13 +257,22 @@ class EngineRuntime:
         self._take(block=not self.engine.scheduler.has_work)
         self._check_health()
         if self.engine.failure or not self.engine.scheduler.has_work:
+            self._flush()
             return
         self._step_started = time.monotonic()
-        outcome = self.engine.step()
+        outcome = self.engine.step(on_launched=self._flush)
         self._step_started = None
+        self._flush()  # a step that launched nothing (or raised before it) delivers here
         if outcome is not None:
             self._deliver(outcome)
+        if not self.engine.scheduler.has_work:
+            self._flush()  # no next step to wait for
         self._gauges()
+
+    def _flush(self) -> None:
+        if self._undelivered:
+            events, self._undelivered = self._undelivered, []
+            post(events)
 
     def _take(self, block: bool) -> None:
         """Submissions and aborts from the handlers, into the scheduler."""
@@ -312,7 +327,7 @@ class EngineRuntime:
                 self.metrics.observe_finished(out.meta_info, ttft)
             if h is not None:
                 events.append((h, ("done", out)))
-        post(events)
+        self._undelivered += events  # posted by _flush
 
     def _fail_all(self, reason: str) -> None:
         """Every request in flight, and whatever raced into the inbox, gets the error."""
@@ -334,6 +349,7 @@ class EngineRuntime:
         now = time.monotonic()
         if now - self._last_health >= HEALTH_CHECK_EVERY_S:
             self._last_health = now
+            self._flush()  # a rank ping can take a while: deliver first
             self.engine.health()
 
     def _gauges(self) -> None:

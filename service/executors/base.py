@@ -6,6 +6,7 @@ Every method runs the same call on every rank, in the same order, and waits with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from service.buckets import BucketPlan
 from service.capture_result import CaptureResult, GraphSet, RankPlans
@@ -32,7 +33,13 @@ class Executor(ABC):
         rank. A size that failed on any rank is forgotten on every rank before this returns."""
 
     @abstractmethod
-    def execute(self, cmd: ForwardCommand) -> ForwardResult: ...
+    def execute(
+        self, cmd: ForwardCommand, on_launched: Callable[[], None] | None = None
+    ) -> ForwardResult:
+        """Run one forward on every rank. ``on_launched``, when given, is called once, when
+        this process is about to wait for the step (its device work queued, or the ranks
+        reached): host work done there overlaps the device. Not called if execute raises
+        before that point."""
 
     def graph_kind(self) -> str | None:
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from service.buckets import BucketPlan
 from service.capture_result import CaptureFailure, CaptureResult, GraphSet, RankPlans
 from service.commands import ForwardCommand, ForwardResult
@@ -35,8 +37,10 @@ class LocalExecutor(Executor):
             self.worker.forget(kind, size)
         return [result]
 
-    def execute(self, cmd: ForwardCommand) -> ForwardResult:
-        return self.worker.execute(cmd)
+    def execute(
+        self, cmd: ForwardCommand, on_launched: Callable[[], None] | None = None
+    ) -> ForwardResult:
+        return self.worker.execute(cmd, on_launched)
 
     def graph_kind(self) -> str | None:
         return self.worker.graph_kind

@@ -12,7 +12,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from service.buckets import BucketPlan
@@ -214,8 +214,13 @@ class RayExecutor(Executor):
             self._all(lambda a: a.forget.remote(kind, size))  # dropped on every rank
         return results
 
-    def execute(self, cmd: ForwardCommand) -> ForwardResult:
-        return self._all(lambda a: a.execute.remote(cmd), self.step_timeout)[0]
+    def execute(
+        self, cmd: ForwardCommand, on_launched: Callable[[], None] | None = None
+    ) -> ForwardResult:
+        refs = [a.execute.remote(cmd) for a in self.actors]
+        if on_launched is not None:  # the ranks work while this process waits below
+            on_launched()
+        return self._wait(refs, self.step_timeout)[0]
 
     def graph_kind(self) -> str | None:
         return self._graph_kind

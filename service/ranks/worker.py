@@ -161,7 +161,17 @@ class RankWorker:
 
     # ---- run time ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, cmd: ForwardCommand) -> ForwardResult:
+    def execute(
+        self, cmd: ForwardCommand, on_launched: Callable[[], None] | None = None
+    ) -> ForwardResult:
+        """One forward. ``on_launched`` (the engine delivering the previous step's tokens) runs
+        while the device works: after the replay and sampling are queued for a decode graph
+        step, at once for host-bound steps (prefill, eager decode), so that nothing waits
+        behind their host work."""
+        replaying = not cmd.is_prefill and cmd.decode is not None and cmd.decode.hit
+        if on_launched is not None and not replaying:
+            on_launched()
+            on_launched = None
         self.req_to_token.write_many([(w.row, w.start, w.slots) for w in cmd.row_writes])
         layout = BatchLayout(
             mode=ForwardMode.EXTEND if cmd.is_prefill else ForwardMode.DECODE,
@@ -206,6 +216,8 @@ class RankWorker:
                 kind = "cpu"
             decode_record = DecodeRecord.from_decision(step, layout.num_requests, kind)
         ids = sample_ids(logits, list(cmd.sampling), list(cmd.steps))
+        if on_launched is not None:
+            on_launched()
         next_ids = ids.tolist()  # the one copy of the step's tokens to the host
         tops = [p.logprobs for p in cmd.sampling]
         logprobs: list[TokenLogprob | None] = [None] * len(tops)
