@@ -137,3 +137,16 @@ def test_incremental_detokenizing_equals_decoding_the_whole_output():
     out = "".join(d.push(ids[: i + 1]) for i in range(len(ids)))
     assert out == text == d.text
     assert max(widths) <= 8  # a window of a few tokens, whatever the output's length
+
+
+def test_switch_interval_default_override_and_refusal(monkeypatch):
+    from service.api.serve import SWITCH_INTERVAL_S, switch_interval_s
+
+    monkeypatch.delenv("CAPTURE_SERVICE_SWITCH_INTERVAL_S", raising=False)
+    assert switch_interval_s() == SWITCH_INTERVAL_S == 0.001
+    monkeypatch.setenv("CAPTURE_SERVICE_SWITCH_INTERVAL_S", "0.0002")
+    assert switch_interval_s() == 0.0002
+    for bad in ("fast", "0", "-1", "5"):
+        monkeypatch.setenv("CAPTURE_SERVICE_SWITCH_INTERVAL_S", bad)
+        with pytest.raises(SystemExit, match=r"give seconds in \(0, 0.1\]"):
+            switch_interval_s()

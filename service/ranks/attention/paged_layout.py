@@ -60,9 +60,9 @@ def _offsets(lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def _host(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
-    """A host tensor and its numpy view. Pinned when it feeds a device copy: a copy from
-    pageable memory synchronizes the stream (FlashInfer's plan copies its indptr arguments),
-    and each synchronization hands the GIL to whoever else wants it."""
+    """A host tensor and its numpy view; pinned when it feeds a copy to a CUDA device
+    (FlashInfer's plan copies the indptr arrays, :meth:`PagedLayout.kv_indices` the table
+    index), so that the copy is a DMA from this buffer rather than a driver staging copy."""
     t = torch.empty(n, dtype=dtype, pin_memory=pin)
     return t, t.numpy()
 
