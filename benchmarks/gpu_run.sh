@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
 # One GPU call's checks and benchmarks, on the device tool's H200 (docs/benchmarks.md lists the
-# results). Each step has its own time bound and log under $OUT; a failing step does not stop the
+# results). Each step has its own time bound and log under $RES; a failing step does not stop the
 # others. Run from the repository root, carrying .fiw (FlashInfer, ../shared/tools/
 # device-wheels.sh fi) and .gpuw (fastapi/uvicorn/pydantic/hypothesis wheels):
 #
 #   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, serveprof, serveprof-uv,
 #                                                      # deepseek (V2-Lite shapes; no FlashInfer
-#                                                      # needed: warm-up skipped with NO_WARMUP=1)
+#                                                      # needed: warm-up skipped with NO_WARMUP=1),
+#                                                      # serve-si (SI=seconds: switch interval)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
-mkdir -p "$OUT"
+# Every log and result goes to $RES and is packed into $OUT/results.tgz after each step: the
+# device tool brings back at most 8 files, and a call cut short keeps what finished.
+RES=${RES:-/tmp/gpu-results}
+mkdir -p "$OUT" "$RES"
+pack() { tar czf "$OUT/partial.tgz" -C "$RES" . && mv "$OUT/partial.tgz" "$OUT/results.tgz"; }
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target "$HOME/site" .fiw/*.whl .gpuw/*.whl >"$OUT/pip.txt" 2>&1 || { cat "$OUT/pip.txt"; exit 1; }
+  --target "$HOME/site" .fiw/*.whl .gpuw/*.whl >"$RES/pip.txt" 2>&1 || { cat "$RES/pip.txt"; exit 1; }
 export PYTHONPATH="$HOME/site:$PWD"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
+python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$RES/gpu.txt"
 
 step() {  # step NAME SECONDS COMMAND...: run with a bound, log to $OUT/NAME.txt, show the tail
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  timeout "$limit" "$@" >"$RES/$name.txt" 2>&1
   local rc=$?
   echo "=== $name: rc $rc, $((SECONDS - t0)) s"
-  tail -n "${TAIL:-25}" "$OUT/$name.txt"
+  tail -n "${TAIL:-25}" "$RES/$name.txt"
+  pack
 }
 
 model_dir() {  # Qwen2.5-1.5B shapes from config.json alone (random bf16 weights)
@@ -43,7 +49,7 @@ for what in "$@"; do
         tests/test_flashinfer.py tests/test_graph_runners.py tests/test_api.py tests/test_deepseek.py ;;
     decode)
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
-        --context 512 --iters 50 --profile 1 --out "$OUT/decode.json" ;;
+        --context 512 --iters 50 --profile 1 --out "$RES/decode.json" ;;
     serve|serve-si|serveprof|serveprof-uv)
       # serveprof: concurrency 32 only, the server under benchmarks/host_profile.py; serveprof-uv:
       # the same with uvloop and httptools (wheels carried in .uvw) importable, so uvicorn's
@@ -52,27 +58,27 @@ for what in "$@"; do
       M=$(model_dir); PORT=31234; CLI=(python3 -m service); SUFFIX=${what#serve}; PYPATH=$PYTHONPATH
       SI_ENV=(); [ "$what" = serve-si ] && SI_ENV=(CAPTURE_SERVICE_SWITCH_INTERVAL_S=${SI:-0.0002})
       [[ $what == serveprof* ]] && CLI=(python3 benchmarks/host_profile.py --on-signal \
-        --out "$OUT/host_profile$SUFFIX.json" --)
+        --out "$RES/host_profile$SUFFIX.json" --)
       if [ "$what" = serveprof-uv ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site-uv" .uvw/*.whl
         PYPATH="$HOME/site-uv:$PYTHONPATH"
       fi
       env "${SI_ENV[@]}" PYTHONPATH=$PYPATH "${CLI[@]}" serve --executor local --model $M --load-format random \
-        --context-length 2048 --max-running-requests 64 --port $PORT >"$OUT/server$SUFFIX.txt" 2>&1 &
+        --context-length 2048 --max-running-requests 64 --port $PORT >"$RES/server$SUFFIX.txt" 2>&1 &
       SERVER=$!
       for _ in $(seq 240); do
         curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sleep 1
       done
-      grep -E "Engine ready|Capture (prefill|decode) graphs done" "$OUT/server$SUFFIX.txt"
+      grep -E "Engine ready|Capture (prefill|decode) graphs done" "$RES/server$SUFFIX.txt"
       [ "$what" = serve ] && step serve_c1 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
-        --num-requests 16 --input-len 256 --output-len 128 --concurrency 1 --out "$OUT/serve_c1.json"
+        --num-requests 16 --input-len 256 --output-len 128 --concurrency 1 --out "$RES/serve_c1.json"
       [[ $what == serveprof* ]] && kill -USR1 $SERVER  # record the concurrency-32 window only
       step serve_c32$SUFFIX 150 python3 benchmarks/serve.py --url http://127.0.0.1:$PORT \
         --num-requests 128 --input-len 256 --output-len 128 --concurrency 32 \
-        --out "$OUT/serve_c32$SUFFIX.json"
+        --out "$RES/serve_c32$SUFFIX.json"
       [[ $what == serveprof* ]] && kill -USR2 $SERVER
       kill $SERVER; wait $SERVER 2>/dev/null
-      [[ $what == serveprof* ]] && grep -A25 "== thread" "$OUT/server$SUFFIX.txt" | head -80 ;;
+      [[ $what == serveprof* ]] && grep -A25 "== thread" "$RES/server$SUFFIX.txt" | head -80 ;;
     deepseek)
       # DeepSeek-V2-Lite shapes, random bf16 weights: graph vs eager prefill per bucket, then
       # the seed's scenario through `serve` (breakable, ctx 2048, pool 8, chunked 4096, the
@@ -82,27 +88,28 @@ for what in "$@"; do
       TAIL=12 step deepseek_prefill 300 python3 benchmarks/prefill_graphs.py --model deepseek-v2-lite \
         --backends ${DS_BACKENDS:-breakable} --buckets ${DS_BUCKETS:-256,1024,2048,4096} --context-length 2048 \
         --chunked-prefill-size 4096 --iters 10 --kernel-count-buckets "" \
-        --out "$OUT/deepseek_prefill.json"
+        --out "$RES/deepseek_prefill.json"
       for att in torch auto; do  # decode graphs: torch decode attention vs FlashInfer's MLA
         step deepseek_decode_$att 240 python3 benchmarks/decode_step.py --model deepseek-v2-lite \
           --batches 1,8,32 --context 512 --iters 30 --attention $att \
-          --out "$OUT/deepseek_decode_$att.json"
+          --out "$RES/deepseek_decode_$att.json"
       done
       PORT=31235
       python3 -m service serve --executor local --model $D --load-format random \
         --prefill-backend breakable --prefill-buckets 4096 --context-length 2048 \
-        --max-running-requests 8 --chunked-prefill-size 4096 --port $PORT >"$OUT/server_deepseek.txt" 2>&1 &
+        --max-running-requests 8 --chunked-prefill-size 4096 --port $PORT >"$RES/server_deepseek.txt" 2>&1 &
       SERVER=$!
       for _ in $(seq 240); do
         curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sleep 1
       done
-      grep -E "Attention backend|Fused kernels|Capture|Engine ready" "$OUT/server_deepseek.txt"
+      grep -E "Attention backend|Fused kernels|Capture|Engine ready" "$RES/server_deepseek.txt"
       step deepseek_seed 120 python3 benchmarks/seed_scenario.py --url http://127.0.0.1:$PORT \
-        --out "$OUT/deepseek_seed.json"
+        --out "$RES/deepseek_seed.json"
       kill $SERVER; wait $SERVER 2>/dev/null ;;
     prefill)
       TAIL=40 step prefill 560 python3 benchmarks/prefill_graphs.py --iters 20 \
         --kernel-count-buckets 16,256,2048,8192 --profile 256 --hf-compiled "${HF:-}" \
-        --out "$OUT/prefill.json" ;;
+        --out "$RES/prefill.json" ;;
   esac
 done
+pack
