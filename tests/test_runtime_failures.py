@@ -3,6 +3,7 @@ rebuilt, and a hung step (where no deadline reaches) is caught by the watchdog."
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -79,6 +80,7 @@ def test_an_exception_in_a_step_fails_requests_then_the_engine_is_rebuilt():
         assert health.status_code == 503 and "ValueError" in health.json()["error"]["message"]
         assert post(client, {"input_ids": [1]}).status_code == 503
         wait_health(client, 200, 60)  # rebuilt
+        assert gc.get_freeze_count() > 0  # the new engine's start-up heap is frozen again
         assert post(client, BODY).status_code == 200
         text = metrics.render().decode()
         assert "capture_service_engine_restarts_total 1.0" in text
@@ -119,3 +121,16 @@ def test_the_watchdog_catches_a_step_that_never_returns(monkeypatch):
         assert time.monotonic() - t0 < 5  # within the step timeout and the grace
         assert client.get("/health").status_code == 503
         assert fatal and "the engine is hung" in fatal[0]  # a stuck thread: exit, be restarted
+
+
+def test_the_start_up_heap_leaves_the_garbage_collector_until_stop():
+    """A full collection over start-up's objects (~300k, ~200 ms here) must not land on the
+    first request: the runtime collects and freezes them before it reports ready, and unfreezes
+    when it stops (a rebuilt engine refreezes: the rebuild test)."""
+    gc.unfreeze()
+    runtime = EngineRuntime(lambda: Engine(CFG), Metrics())
+    with serving(runtime) as (client, fatal):
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000, frozen  # the model's modules, the captured graphs, imports
+        assert post(client, BODY).status_code == 200 and not fatal
+    assert gc.get_freeze_count() == 0

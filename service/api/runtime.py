@@ -19,6 +19,7 @@ to an inbox and receive events on an asyncio queue per request (service.api.hand
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -96,6 +97,7 @@ class EngineRuntime:
         self._thread.join(timeout=30)
         if self.engine is not None:
             self.engine.shutdown()
+        gc.unfreeze()
 
     def health(self) -> str | None:
         if self.state == "starting":
@@ -220,6 +222,7 @@ class EngineRuntime:
         self._max_running = engine.resolved.max_running_requests
         self.metrics.set_resolved(engine.resolved)
         self.metrics.engine_healthy.set(1)
+        freeze_start_up_heap()
         self.state, self.error = "ready", None
         log.info("Service ready")
 
@@ -232,6 +235,7 @@ class EngineRuntime:
             self.engine.shutdown()  # the failed engine stays for health() until replaced
         except Exception:
             log.exception("Shutting down the failed engine")
+        gc.unfreeze()  # the failed engine's objects are garbage now; the next build refreezes
         for attempt in range(1, self.restart_attempts + 1):
             if self._stop.wait(self.restart_backoff_s * 2 ** (attempt - 1)):
                 return
@@ -376,3 +380,19 @@ class EngineRuntime:
                 self._fail_all(reason)
                 self.on_fatal(reason)
                 return
+
+
+def freeze_start_up_heap() -> None:
+    """Move everything start-up made (modules, the model, the captured graphs' Python objects)
+    out of the garbage collector's reach. Otherwise the first full collection after start-up
+    scans them all (~300k objects, ~200 ms on a 2-core CI machine) and lands on whichever
+    request is running, and every later full collection scans them again. (vLLM freezes its heap
+    after warm-up; SGLang has a freeze for the same reason.)"""
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info(
+        "Garbage collector: %d start-up objects frozen after a %.0f ms collection",
+        gc.get_freeze_count(),
+        (time.perf_counter() - start) * 1e3,
+    )
