@@ -104,6 +104,7 @@ def start_up(cfg: EngineConfig, executor: Executor) -> ResolvedConfig:
     if not decode.enabled:
         log.warning("Decode runs eagerly: %s", decode.disabled_reason)
     kind = executor.graph_kind() or ("cuda" if limits.device.startswith("cuda") else "cpu")
+    executor.freeze_heaps()  # ranks in their own processes: no collection over start-up's heap
     return ResolvedConfig(
         config=cfg,
         executor=executor.kind,

@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import ray
 
 from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
 from service.engine import Engine
@@ -58,6 +59,9 @@ def test_tp2_matches_tp1(ray_local, backend, model, hf_llama, hf_deepseek):
     engine = Engine(cfg(2, backend, path))
     try:
         assert engine.resolved.tp == 2
+        # start-up froze each rank's heap (the model, the graphs): no collection pass over it
+        frozen = ray.get([a.frozen_objects.remote() for a in engine.executor.actors])
+        assert len(frozen) == 2 and all(n > 10_000 for n in frozen), frozen
         outs = engine.generate(PROMPTS, GREEDY)
     finally:
         engine.shutdown()

@@ -30,6 +30,7 @@ from service.api.handles import Event, Failure, Handle, StreamDelta, post
 from service.api.metrics import Metrics
 from service.engine import Engine, GenerationOutput
 from service.errors import RankFailure, RequestError
+from service.heap import freeze_start_up_heap
 from service.sampling import SamplingParams
 from service.tokenizer import IncrementalDetokenizer
 
@@ -222,7 +223,7 @@ class EngineRuntime:
         self._max_running = engine.resolved.max_running_requests
         self.metrics.set_resolved(engine.resolved)
         self.metrics.engine_healthy.set(1)
-        freeze_start_up_heap()
+        freeze_start_up_heap("server")
         self.state, self.error = "ready", None
         log.info("Service ready")
 
@@ -380,19 +381,3 @@ class EngineRuntime:
                 self._fail_all(reason)
                 self.on_fatal(reason)
                 return
-
-
-def freeze_start_up_heap() -> None:
-    """Move everything start-up made (modules, the model, the captured graphs' Python objects)
-    out of the garbage collector's reach. Otherwise the first full collection after start-up
-    scans them all (~300k objects, ~200 ms on a 2-core CI machine) and lands on whichever
-    request is running, and every later full collection scans them again. (vLLM freezes its heap
-    after warm-up; SGLang has a freeze for the same reason.)"""
-    start = time.perf_counter()
-    gc.collect()
-    gc.freeze()
-    log.info(
-        "Garbage collector: %d start-up objects frozen after a %.0f ms collection",
-        gc.get_freeze_count(),
-        (time.perf_counter() - start) * 1e3,
-    )

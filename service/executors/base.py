@@ -44,6 +44,12 @@ class Executor(ABC):
     def graph_kind(self) -> str | None:
         return None
 
+    def freeze_heaps(self) -> list[int]:
+        """Start-up is over: ranks in processes of their own freeze their start-up heaps
+        (service.heap); returns each one's frozen object count. In-process ranks share the
+        server's heap, which the server freezes itself."""
+        return []
+
     def alive(self) -> str | None:
         """None when every rank is alive, else the reason."""
         return None

@@ -225,6 +225,9 @@ class RayExecutor(Executor):
     def graph_kind(self) -> str | None:
         return self._graph_kind
 
+    def freeze_heaps(self) -> list[int]:
+        return self._all(lambda a: a.freeze_heap.remote(), self.step_timeout)
+
     def alive(self) -> str | None:
         import ray
 

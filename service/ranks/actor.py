@@ -120,6 +120,17 @@ class RankActor:
     def ping(self) -> int:
         return self.rank
 
+    def freeze_heap(self) -> int:
+        from service.heap import freeze_start_up_heap
+
+        return freeze_start_up_heap(f"rank {self.rank}")
+
+    def frozen_objects(self) -> int:
+        """How many objects the garbage collector leaves alone (service.heap)."""
+        import gc
+
+        return gc.get_freeze_count()
+
     def pid(self) -> int:
         return os.getpid()
 
