@@ -267,7 +267,7 @@ class EngineRuntime:
         self._step_started = time.monotonic()
         outcome = self.engine.step(on_launched=self._flush)
         self._step_started = None
-        self._flush()  # a step that launched nothing (or raised before it) delivers here
+        self._flush()  # a step that ran no batch never called the hook: deliver here
         if outcome is not None:
             self._deliver(outcome)
         if not self.engine.scheduler.has_work:

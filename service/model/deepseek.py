@@ -15,12 +15,11 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import nn
 
 from service.model.arch_config import ArchConfig
 from service.model.attention import AttentionKey, AttentionRegistry, BoundAttention
 from service.model.kernels import Kernels
-from service.model.llama import MLP, CausalLM, RMSNorm
+from service.model.llama import MLP, CausalLM, PreNormLayer
 from service.model.mla import MlaAttention, Rope
 from service.model.moe import MoE
 from service.model.parallel import TPGroup
@@ -29,7 +28,7 @@ from service.model.rotary import cos_sin_at
 ShardId = object
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormLayer):
     def __init__(
         self,
         cfg: ArchConfig,
@@ -41,8 +40,7 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MlaAttention(cfg, layer_id, tp, registry, kernels)
         self.mlp = MoE(cfg, tp, kernels) if cfg.is_moe_layer(layer_id) else MLP(cfg, tp, kernels)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.add_norms(cfg, kernels)
 
     def pre_attention(
         self,
@@ -54,18 +52,13 @@ class DeepseekDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Layer input x (T, H) -> residual stream with x added, and the attention inputs
         (written into ``out``'s columns when given)."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.norm_input(x, residual)
         return residual, self.self_attn.inputs(h, rope, decode, out)
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor, decode: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.self_attn.output(attn_out, decode)
-        h, residual = self.post_attention_layernorm.add(x, residual)
-        return self.mlp(h), residual
+        return self.mlp_residual(self.self_attn.output(attn_out, decode), residual)
 
 
 class DeepseekLM(CausalLM):

@@ -135,7 +135,35 @@ class MLP(nn.Module):
         return torch.cat([self(part) for part in x.split(MLP_TOKEN_CHUNK)])
 
 
-class DecoderLayer(nn.Module):
+class PreNormLayer(nn.Module):
+    """The residual stream of a pre-norm decoder layer, shared by the families: norm, attention,
+    add + norm, MLP. A subclass builds ``self_attn`` and ``mlp``, then calls :meth:`add_norms`."""
+
+    mlp: nn.Module
+
+    def add_norms(self, cfg: ArchConfig, kernels: Kernels) -> None:
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+
+    def norm_input(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous layer's output x (T, H) (the embeddings for layer 0, whose residual is
+        None) -> the attention's normed input (T, H), the residual stream with x added."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm.add(x, residual)
+
+    def mlp_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's projected output x (T, H) -> MLP output (T, H), residual with x
+        added."""
+        h, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(h), residual
+
+
+class DecoderLayer(PreNormLayer):
     def __init__(
         self,
         cfg: ArchConfig,
@@ -147,8 +175,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, tp, registry, kernels)
         self.mlp = MLP(cfg, tp, kernels)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.add_norms(cfg, kernels)
 
     def pre_attention(
         self,
@@ -159,10 +186,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The previous layer's output x (T, H) (the embeddings for layer 0, whose residual is
         None) -> q (T, Hq*D), k, v (T, Hkv*D) and the residual stream (T, H) with x added."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.norm_input(x, residual)
         q, k, v = self.self_attn.qkv(h, rope, qkv_out)
         return q, k, v, residual
 
@@ -171,9 +195,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention output (T, Hq*D) and residual (T, H) -> MLP output (T, H), residual with
         the attention output added."""
-        x = self.self_attn.o_proj(attn_out)
-        h, residual = self.post_attention_layernorm.add(x, residual)
-        return self.mlp(h), residual
+        return self.mlp_residual(self.self_attn.o_proj(attn_out), residual)
 
 
 class CausalLM(nn.Module):
