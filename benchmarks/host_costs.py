@@ -1,0 +1,116 @@
+"""Host-side costs of the serving loop that do not need a GPU (docs/benchmarks.md, "Serving").
+
+    python benchmarks/host_costs.py layouts        # per-step host layouts, 32 decode requests
+    python benchmarks/host_costs.py first-prefill  # first prefills after start-up, gc frozen or not
+
+``layouts`` times the per-step host work of a decode step of 32 requests with 300-331 cached
+tokens each: FlashInfer's paged layout, the batch's tensors, the request-row writes (CPU
+tensors; on CUDA the same code also copies once to the device). Run it with another tree's
+``service`` first on PYTHONPATH to compare (``PYTHONPATH=abtest/old python
+benchmarks/host_costs.py layouts``).
+
+``first-prefill`` builds the built-in-shaped micro model (1 layer, hidden 64, random weights)
+in-process and times four 256-token prefills, three ways: as start-up leaves the heap, after a
+``gc.collect()``, and after ``gc.collect(); gc.freeze()`` (service.heap, what the server does).
+Each way runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MICRO = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 384, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "torch_dtype": "float32",
+}  # fmt: skip
+
+
+def per_call_us(fn, n: int = 500) -> float:
+    for _ in range(20):
+        fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def layouts() -> None:
+    import torch
+
+    from service.ranks.attention.paged_layout import paged_layout
+    from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+    from service.ranks.kv_pool import ReqToTokenPool
+
+    b = 32
+    layout = BatchLayout(ForwardMode.DECODE, tuple(range(b)), tuple(300 + i for i in range(b)),
+                         (1,) * b)  # fmt: skip
+    pool = ReqToTokenPool(64, 2048, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    rows = {
+        "paged layout": per_call_us(lambda: paged_layout(layout, 2048, b)),
+        "batch tensors": per_call_us(
+            lambda: ForwardBatch.build(layout, list(range(b)), list(range(b)), cpu)
+        ),
+        "row writes": per_call_us(lambda: pool.write_many([(i, 300 + i, [5]) for i in range(b)])),
+    }
+    for name, us in rows.items():
+        print(f"{name:>14}: {us:7.1f} us")
+
+
+def first_prefill_child(mode: str, model_dir: str) -> None:
+    import gc
+
+    from service.config import EngineConfig
+    from service.engine import Engine
+    from service.sampling import SamplingParams
+
+    e = Engine(EngineConfig(model_path=model_dir, load_format="random", executor="local",
+                            context_length=2048, max_running_requests=64))  # fmt: skip
+    if mode != "as-is":
+        gc.collect()
+    if mode == "frozen":
+        gc.freeze()
+    times = []
+    for _ in range(4):
+        r = e.add(list(range(1, 257)), SamplingParams(max_new_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        while not r.finished:
+            e.step()
+        times.append(round((time.perf_counter() - start) * 1e3, 1))
+    print(json.dumps(times))
+
+
+def first_prefill() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(MICRO))
+        for mode in ("as-is", "collected", "frozen"):
+            out = subprocess.run(
+                [sys.executable, __file__, "_child", mode, d],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip().splitlines()[-1]  # fmt: skip
+            print(f"{mode:>9}: 256-token prefills, ms: {out}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["layouts", "first-prefill", "_child"])
+    p.add_argument("args", nargs="*")
+    a = p.parse_args()
+    if a.what == "layouts":
+        layouts()
+    elif a.what == "first-prefill":
+        first_prefill()
+    else:
+        first_prefill_child(*a.args)
+
+
+if __name__ == "__main__":
+    main()
