@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, serveprof, serveprof-uv,
 #                                                      # deepseek (V2-Lite shapes; no FlashInfer
 #                                                      # needed: warm-up skipped with NO_WARMUP=1),
-#                                                      # serve-si (SI=seconds: switch interval)
+#                                                      # serve-si (SI=seconds: switch interval),
+#                                                      # gemm (linear layers alone)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 # Every log and result goes to $RES and is packed into $OUT/results.tgz after each step: the
@@ -107,9 +108,15 @@ for what in "$@"; do
         --out "$RES/deepseek_seed.json"
       kill $SERVER; wait $SERVER 2>/dev/null ;;
     prefill)
+      # BUCKETS: a subset of the default buckets; COUNT: buckets with kernel counts, device
+      # busy and host issue times; PROFILE / HOSTPROF: the bucket whose kernels / host
+      # functions are printed; HF: token counts for HF transformers compiled
       TAIL=40 step prefill 560 python3 benchmarks/prefill_graphs.py --iters 20 \
-        --kernel-count-buckets 16,256,2048,8192 --profile 256 --hf-compiled "${HF:-}" \
+        ${BUCKETS:+--buckets $BUCKETS} --kernel-count-buckets "${COUNT:-16,256,2048,8192}" \
+        --profile "${PROFILE:-256}" ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
         --out "$RES/prefill.json" ;;
+    gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
+      TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --out "$RES/gemm.json" ;;
   esac
 done
 pack

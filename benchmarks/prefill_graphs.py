@@ -122,8 +122,11 @@ def timed(fn, device: torch.device, iters: int) -> float:
     return statistics.median(samples)
 
 
-def kernels_per_call(fn) -> float:
-    """CUDA kernels one call of ``fn`` launches (graph replays included), from the profiler."""
+def device_profile(fn) -> tuple[float, float]:
+    """(CUDA kernels one call of ``fn`` launches, graph replays included; milliseconds the
+    device is busy per call: the sum of its kernels', copies' and memsets' durations), from the
+    profiler over three calls. Busy time against the CUDA-event time says how much of a call the
+    device spends waiting for the host."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -133,9 +136,24 @@ def kernels_per_call(fn) -> float:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]  # fmt: skip
-    return len(kernels) / 3
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in device
+               if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]  # fmt: skip
+    busy_us = sum(e.device_time for e in device)
+    return len(kernels) / 3, busy_us / 3 / 1e3
+
+
+def host_ms(fn, iters: int) -> float:
+    """Median milliseconds the host spends issuing one call of ``fn`` from an idle device (the
+    call returns when its work is queued, unless it waits on the device inside)."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def hf_compiled_ms(config: dict, tokens: int, iters: int) -> float:
@@ -177,9 +195,28 @@ def profile(title: str, fn) -> None:
             fn()
         torch.cuda.synchronize()
     print(f"--- profile: {title} (3 calls)")
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
-    )
+    averages = prof.key_averages()
+    print(averages.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(f"--- host side: {title} (3 calls, by self CPU time)")
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+
+
+def host_profile(title: str, fn, calls: int = 20) -> None:
+    """Python functions by own host time over ``calls`` calls (cProfile): which host code stands
+    between the device's kernels."""
+    import cProfile
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    print(f"--- host functions: {title} ({calls} calls, by own time)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 def device_rates(device: torch.device) -> tuple[float, float]:
@@ -250,6 +287,9 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this bucket")
+    ap.add_argument(
+        "--host-profile", type=int, default=None, help="print host functions of this bucket"
+    )
     ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--flashinfer-kernel", choices=("auto", "fa2", "fa3"), default="auto")
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
@@ -344,15 +384,21 @@ def main() -> int:
                     )
                     refs[b] = eager_step()
                     if cuda and b in count_buckets:
-                        row["eager_kernels"] = kernels_per_call(eager_step)
+                        row["eager_kernels"], row["eager_busy_ms"] = device_profile(eager_step)
+                        row["eager_host_ms"] = host_ms(eager_step, args.iters)
                 row[f"{backend}_ms"] = timed(graph_step, worker.device, args.iters)
                 if cuda and b in count_buckets:
-                    row[f"{backend}_kernels"] = kernels_per_call(graph_step)
+                    row[f"{backend}_kernels"], row[f"{backend}_busy_ms"] = device_profile(
+                        graph_step
+                    )
+                    row[f"{backend}_host_ms"] = host_ms(graph_step, args.iters)
                 if b == args.profile:
                     profile(f"{backend} bucket {b}", graph_step)
                     if f"eager_profiled_{b}" not in row:
                         row[f"eager_profiled_{b}"] = True
                         profile(f"eager bucket {b}", eager_step)
+                if b == args.host_profile and cuda:
+                    host_profile(f"{backend} bucket {b}", graph_step)
                 out = graph_step()
                 row[f"{backend}_maxdiff"] = float((out - refs[b]).abs().max())
                 row[f"{backend}_capture_s"] = round(stat.seconds, 3)
@@ -387,6 +433,21 @@ def main() -> int:
         for be in backends:
             line += cell(r.get(f"{be}_ms"), r.get(f"{be}_kernels"), 10)
         print(line)
+    # where a call's time goes: device busy (kernels, copies) vs host issue time
+    print("ms per call: event time / device busy / host issue (buckets with kernel counts)")
+    print(f"{'bucket':>6}" + "".join(f" {b[:12]:>22}" for b in ["eager", *backends]))
+    for b in sorted(rows):
+        r = rows[b]
+        if "eager_busy_ms" not in r:
+            continue
+        cells = ""
+        for be in ["eager", *backends]:
+            if f"{be}_busy_ms" in r:
+                ms, busy, host = r[f"{be}_ms"], r[f"{be}_busy_ms"], r[f"{be}_host_ms"]
+                cells += f" {ms:>6.2f} /{busy:>6.2f} /{host:>6.2f}"
+            else:
+                cells += f" {'-':>22}"
+        print(f"{b:>6}" + cells)
     for be, c in captures.items():
         print(
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "
