@@ -116,7 +116,7 @@ for what in "$@"; do
         --profile "${PROFILE:-256}" ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
         --out "$RES/prefill.json" ;;
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
-      TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --out "$RES/gemm.json" ;;
+      TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;
   esac
 done
 pack
