@@ -74,6 +74,11 @@ def test_paged_layout_points_at_each_requests_own_slots(case):
         assert pl.qo_indptr[i + 1] == pl.qo_indptr[i]
         assert kv[int(pl.kv_indptr[i]) : int(pl.kv_indptr[i + 1])] == [PADDING_SLOT]
     assert pl.kv_last_page_len.tolist() == [1] * pl.num_requests
+    # the host lengths handed to FlashInfer's plan agree with the indptrs it would derive them from
+    kv_lens = (pl.kv_indptr[1:] - pl.kv_indptr[:-1]).tolist()
+    assert pl.kv_lens.tolist() == kv_lens and pl.kv_lens.dtype == torch.int32
+    assert pl.max_kv_len == max(kv_lens)
+    assert pl.max_q_len == int((pl.qo_indptr[1:] - pl.qo_indptr[:-1]).max())
 
 
 def test_paged_layout_refuses_what_does_not_fit():

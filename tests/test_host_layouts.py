@@ -71,3 +71,39 @@ def test_a_row_write_past_the_context_is_refused_and_writes_nothing():
     with pytest.raises(ValueError, match="would hold 9 tokens, more than context_length 8"):
         pool.write_many([(0, 0, [1, 2]), (1, 6, [3, 4, 5])])
     assert not pool.table.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests.filter(lambda reqs: sum(e for _, _, e in reqs) > 0), st.integers(0, 9),
+       st.integers(0, 3), st.integers(0, 2**31))  # fmt: skip
+def test_static_copy_pads_and_fills_sentinels(reqs, extra_tokens, extra_slots, seed):
+    """A replay's static inputs from the packed batch (two copies and a pad): the real tokens and
+    requests, padded tokens at id 0 / position 0 / the padding slot, sentinel requests at row 0
+    with nothing to extend and starting past the real tokens, whatever a previous replay left."""
+    from service.padding import PADDING_SLOT
+    from service.ranks.runners.static_buffers import PrefillStaticBuffers
+
+    layout = BatchLayout(
+        ForwardMode.EXTEND,
+        tuple(r for r, _, _ in reqs),
+        tuple(p for _, p, _ in reqs),
+        tuple(e for _, _, e in reqs),
+    )
+    t, b = layout.num_tokens, layout.num_requests
+    batch = ForwardBatch.build(layout, [1000 + j for j in range(t)], [2000 + j for j in range(t)],
+                               torch.device("cpu"))  # fmt: skip
+    bucket, slots = t + extra_tokens, b + extra_slots
+    bufs = PrefillStaticBuffers.allocate(bucket + 4, slots + 2, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for t_ in (bufs.tokens, bufs.requests):  # stale values of an earlier replay
+        t_.copy_(torch.randint(1, 99, t_.shape, generator=g))
+    view = bufs.copy_from(batch, bucket, slots)
+    assert view.input_ids.tolist() == batch.input_ids.tolist() + [0] * extra_tokens
+    assert view.positions.tolist() == batch.positions.tolist() + [0] * extra_tokens
+    assert (
+        view.out_cache_loc.tolist() == batch.out_cache_loc.tolist() + [PADDING_SLOT] * extra_tokens
+    )
+    assert view.req_pool_indices.tolist() == list(layout.req_pool_indices) + [0] * extra_slots
+    assert view.prefix_lens.tolist() == list(layout.prefix_lens) + [0] * extra_slots
+    assert view.extend_lens.tolist() == list(layout.extend_lens) + [0] * extra_slots
+    assert view.extend_start_loc.tolist() == batch.extend_start_loc.tolist() + [t] * extra_slots

@@ -231,6 +231,8 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         )
+        # looked up per layer between segment replays: a tuple, not a walk through modules
+        self.attention_keys = tuple(self.key(i) for i in range(len(self.layers)))
 
     def key(self, i: int) -> AttentionKey:
         return self.layers[i].self_attn.key
@@ -255,7 +257,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Layer i's attention over the inputs its segment produced -> (T, Hq*D)."""
         q, k, v = inputs
-        return attention(q, k, v, self.key(i), out)
+        return attention(q, k, v, self.attention_keys[i], out)
 
     # Segments between attention calls: token-axis only, so they replay for any request layout.
     def first_segment(

@@ -63,6 +63,9 @@ class ForwardBatch:
     prefix_lens: torch.Tensor  # (B,) int64
     extend_lens: torch.Tensor  # (B,) int64
     extend_start_loc: torch.Tensor  # (B,) int64, first token of each request on the token axis
+    # (3T + 4B,) int64: the seven tensors above, in that order, as slices of one tensor (what
+    # ``build`` makes); lets a graph runner copy a batch into its static buffers in two copies
+    packed: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +114,7 @@ class ForwardBatch:
             prefix_lens=p,
             extend_lens=e,
             extend_start_loc=st,
+            packed=packed,
         )
 
     def last_token_indices(self) -> torch.Tensor:

@@ -20,12 +20,18 @@ graph's memory pool would otherwise hand them stale values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from service.model.attention import AttentionRegistry, AttentionSpec, BoundAttention
+from service.model.attention import (
+    AttentionKey,
+    AttentionRegistry,
+    AttentionSpec,
+    BoundAttention,
+)
 from service.ranks.attention.base import Bound, PlannedAttention, output_buffer
 from service.ranks.attention.paged_layout import PagedLayout, indptr, paged_layout
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
@@ -118,20 +124,59 @@ class FlashInferAttention(FlashInferBase):
             qo, kv_indices = pl.qo_indptr, pl.kv_indices(self.req_to_token.table)
         for shape, wrapper in wrappers.items():
             self._plan(path, wrapper, shape, qo, pl, kv_indices)
+        prepared: dict[tuple, Callable[[AttentionKey], torch.Tensor]] = {}
 
         def attend(q, k, v, key, out):
-            spec, q3 = self.heads(q, key)
-            res = output_buffer(q3, out, num_real)  # padded rows (segment replays): zeros
-            wrapper = wrappers[self.shapes[key]]
-            if path == "ragged":  # strided q/k/v (columns of one qkv tensor) are read in place
-                k3 = k.view(k.shape[0], spec.num_kv_heads, spec.head_dim)
-                v3 = v.view(v.shape[0], spec.num_kv_heads, spec.head_dim)
-                wrapper.run(q3[:num_real], k3[:num_real], v3[:num_real], out=res[:num_real])
-            else:
-                wrapper.run(q3[:num_real], self._paged_cache(spec), out=res[:num_real])
-            return res.view(q.shape[0], -1)
+            # A segment runner calls this once per layer with the same buffers (every layer's
+            # q/k/v are columns of one segment buffer, its output one buffer): the views and
+            # the wrapper of each layer are worked out once per forward, so the host work per
+            # layer is FlashInfer's launch and nothing else.
+            if out is None:  # a fresh output each call: nothing to reuse
+                return self._launcher(path, wrappers, q, k, v, None, num_real)(key)
+            sig = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), q.shape, q.stride(),
+                   k.stride(), v.stride(), out.shape, self.shapes[key])  # fmt: skip
+            launch = prepared.get(sig)
+            if launch is None:
+                launch = prepared[sig] = self._launcher(path, wrappers, q, k, v, out, num_real)
+            return launch(key)
 
         return Bound(self, batch, attend)
+
+    def _launcher(
+        self,
+        path: str,
+        wrappers: dict[HeadShape, Any],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor | None,
+        num_real: int,
+    ) -> Callable[[AttentionKey], torch.Tensor]:
+        """Attention of these tensors for any layer key: views and slices made once per head
+        shape (ragged: layers of one shape share them) or per layer (paged: each layer's
+        cache), and padded output rows zeroed once, not once per layer."""
+        n = q.shape[0]
+        views: dict[tuple, tuple] = {}
+
+        def launch(key: AttentionKey) -> torch.Tensor:
+            shape = self.shapes[key]
+            vkey = (shape, None) if path == "ragged" else (shape, key)
+            got = views.get(vkey)
+            if got is None:
+                spec, q3 = self.heads(q, key)
+                res = output_buffer(q3, out, num_real)  # padded rows (segment replays): zeros
+                if path == "ragged":  # strided q/k/v (columns of one qkv tensor), in place
+                    k3 = k.view(k.shape[0], spec.num_kv_heads, spec.head_dim)[:num_real]
+                    v3 = v.view(v.shape[0], spec.num_kv_heads, spec.head_dim)[:num_real]
+                    args: tuple = (q3[:num_real], k3, v3)
+                else:
+                    args = (q3[:num_real], self._paged_cache(spec))
+                got = views[vkey] = (wrappers[shape], args, res[:num_real], res.view(n, -1))
+            wrapper, args, res_real, result = got
+            wrapper.run(*args, out=res_real)
+            return result
+
+        return launch
 
     def _plan(
         self,
@@ -152,7 +197,7 @@ class FlashInferAttention(FlashInferBase):
             wrapper.plan(
                 qo, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
                 s.num_heads, s.num_kv_heads, s.head_dim, 1,
-                causal=True, sm_scale=s.scale, **dtypes,
+                causal=True, sm_scale=s.scale, **dtypes, **host_lengths(pl),
             )  # fmt: skip
         else:
             wrapper.plan(
@@ -160,6 +205,16 @@ class FlashInferAttention(FlashInferBase):
                 s.num_heads, s.num_kv_heads, s.head_dim, 1,
                 sm_scale=s.scale, **dtypes,
             )  # fmt: skip
+
+
+def host_lengths(pl: PagedLayout) -> dict[str, Any]:
+    """Plan arguments FlashInfer would otherwise compute from the indptrs with a dozen small
+    torch CPU ops per plan (host time before every replay of ``full``)."""
+    return {
+        "seq_lens": pl.kv_lens,
+        "max_token_per_sequence": pl.max_q_len,
+        "max_sequence_kv": pl.max_kv_len,
+    }
 
 
 @dataclass(frozen=True)
@@ -251,7 +306,7 @@ class FlashInferGraphAttention(FlashInferBase):
                 pl.qo_indptr, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
                 shape.num_heads, shape.num_kv_heads, shape.head_dim, 1,
                 causal=True, sm_scale=shape.scale,
-                q_data_type=self.dtype, kv_data_type=self.dtype,
+                q_data_type=self.dtype, kv_data_type=self.dtype, **host_lengths(pl),
             )  # fmt: skip
 
     def bind(self, batch: ForwardBatch) -> BoundAttention:

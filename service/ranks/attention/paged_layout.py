@@ -29,6 +29,10 @@ class PagedLayout:
     kv_last_page_len: torch.Tensor  # (B,) int32, host: ones (page size 1)
     table_index: torch.Tensor  # (sum of real kv lens,) int64, host: into req_to_token.view(-1)
     num_sentinels: int  # trailing requests that are sentinels
+    # what FlashInfer's plan would otherwise derive with small torch ops on every plan
+    kv_lens: torch.Tensor  # (B,) int32, host: KV entries per request
+    max_q_len: int
+    max_kv_len: int
 
     @property
     def num_requests(self) -> int:
@@ -91,11 +95,12 @@ def paged_layout(
     extend[:real] = layout.extend_lens
     kv_lens = np.ones(slots, dtype=np.int64)  # a sentinel holds one entry: the padding slot
     kv_lens[:real] = seq
-    # one int32 host buffer: qo_indptr | kv_indptr | kv_last_page_len
-    small, a = _host(3 * slots + 2, torch.int32, pin)
+    # one int32 host buffer: qo_indptr | kv_indptr | kv_last_page_len | kv_lens
+    small, a = _host(4 * slots + 2, torch.int32, pin)
     _offsets(extend, a[: slots + 1])
     kv = _offsets(kv_lens, a[slots + 1 : 2 * slots + 2])
-    a[2 * slots + 2 :] = 1
+    a[2 * slots + 2 : 3 * slots + 2] = 1
+    a[3 * slots + 2 :] = kv_lens
     # entry j of request i reads table[row_i, j]: flat index row_i * context + (e - kv[i])
     rows = np.asarray(layout.req_pool_indices, dtype=np.int64)
     base = np.repeat(rows * context_length - kv[:real], seq)
@@ -104,7 +109,10 @@ def paged_layout(
     return PagedLayout(
         qo_indptr=small[: slots + 1],
         kv_indptr=small[slots + 1 : 2 * slots + 2],
-        kv_last_page_len=small[2 * slots + 2 :],
+        kv_last_page_len=small[2 * slots + 2 : 3 * slots + 2],
         table_index=table_index,
         num_sentinels=sentinels,
+        kv_lens=small[3 * slots + 2 :],
+        max_q_len=int(extend.max()) if slots else 0,
+        max_kv_len=int(kv_lens.max()) if slots else 0,
     )

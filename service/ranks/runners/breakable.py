@@ -87,9 +87,17 @@ class BreakableGraphRunner(GraphRunner):
 
         return [first, *(middle(i) for i in range(1, len(m.layers))), last]
 
-    def _attend(self, i: int, bucket: int, attention: BoundAttention) -> None:
-        out = self.seg.attn[:bucket]
-        place(out, self.model.attend(i, self.seg.qkv_views(bucket), attention, out))
+    def _attend(
+        self,
+        i: int,
+        bucket: int,
+        attention: BoundAttention,
+        views: tuple[torch.Tensor, ...] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        out = self.seg.attn[:bucket] if out is None else out
+        views = self.seg.qkv_views(bucket) if views is None else views
+        place(out, self.model.attend(i, views, attention, out))
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         real = tuple(n for n in capture_seq_lens if n > 0)
@@ -111,8 +119,11 @@ class BreakableGraphRunner(GraphRunner):
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
         attention = self.eager_attention.bind(view)  # one plan per replay, not one per layer
+        # the same buffer views serve every layer: made once per replay, so the host work
+        # between two segment replays is the attention launch
+        views, out = self.seg.qkv_views(bucket), self.seg.attn[:bucket]
         captured[0].replay()
         for i in range(1, len(captured)):
-            self._attend(i - 1, bucket, attention)
+            self._attend(i - 1, bucket, attention, views, out)
             captured[i].replay()
         return self.seg.hidden[:bucket]

@@ -22,27 +22,26 @@ from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 
 @dataclass(frozen=True)
 class PrefillStaticBuffers:
-    input_ids: torch.Tensor  # (Tmax,)
-    positions: torch.Tensor  # (Tmax,)
-    out_cache_loc: torch.Tensor  # (Tmax,)
-    req_pool_indices: torch.Tensor  # (Cmax,)
-    prefix_lens: torch.Tensor  # (Cmax,)
-    extend_lens: torch.Tensor  # (Cmax,)
-    extend_start_loc: torch.Tensor  # (Cmax,)
+    input_ids: torch.Tensor  # (Tmax,) row 0 of ``tokens``
+    positions: torch.Tensor  # (Tmax,) row 1
+    out_cache_loc: torch.Tensor  # (Tmax,) row 2
+    req_pool_indices: torch.Tensor  # (Cmax,) row 0 of ``requests``
+    prefix_lens: torch.Tensor  # (Cmax,) row 1
+    extend_lens: torch.Tensor  # (Cmax,) row 2
+    extend_start_loc: torch.Tensor  # (Cmax,) row 3
+    # the rows above as one tensor each: a packed batch is copied in with one copy per tensor
+    # and padded with one more, not a copy and a fill per field (host time before each replay)
+    tokens: torch.Tensor  # (3, Tmax) int64
+    requests: torch.Tensor  # (4, Cmax) int64
+    pad_token: torch.Tensor  # (3, 1) int64: a padded token's id, position and KV slot
 
     @staticmethod
     def allocate(max_tokens: int, max_requests: int, device: torch.device) -> PrefillStaticBuffers:
-        def z(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int64, device=device)
-
+        tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)
+        requests = torch.zeros(4, max_requests, dtype=torch.int64, device=device)
+        pad = torch.tensor([[0], [0], [PADDING_SLOT]], dtype=torch.int64, device=device)
         return PrefillStaticBuffers(
-            input_ids=z(max_tokens),
-            positions=z(max_tokens),
-            out_cache_loc=z(max_tokens),
-            req_pool_indices=z(max_requests),
-            prefix_lens=z(max_requests),
-            extend_lens=z(max_requests),
-            extend_start_loc=z(max_requests),
+            *tokens.unbind(0), *requests.unbind(0), tokens=tokens, requests=requests, pad_token=pad
         )
 
     @property
@@ -74,16 +73,28 @@ class PrefillStaticBuffers:
                 f"batch of {n} tokens / {b} requests does not fit bucket {bucket} / "
                 f"{num_slots} slots (buffers {self.max_tokens} / {self.max_requests})"
             )
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.input_ids[n:bucket].zero_()
-        self.positions[:n].copy_(batch.positions)
-        self.positions[n:bucket].zero_()
-        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
-        self.out_cache_loc[n:bucket].fill_(PADDING_SLOT)
-        self.req_pool_indices[:b].copy_(batch.req_pool_indices)
-        self.prefix_lens[:b].copy_(batch.prefix_lens)
-        self.extend_lens[:b].copy_(batch.extend_lens)
-        self.extend_start_loc[:b].copy_(batch.extend_start_loc)
+        packed = batch.packed
+        if (
+            packed is not None
+            and packed.device == self.tokens.device
+            and packed.numel() == 3 * n + 4 * b
+        ):
+            # the batch's seven tensors are rows of (3, n) and (4, b) slices of one tensor
+            self.tokens[:, :n].copy_(packed[: 3 * n].view(3, n))
+            if bucket > n:
+                self.tokens[:, n:bucket].copy_(self.pad_token.expand(3, bucket - n))
+            self.requests[:, :b].copy_(packed[3 * n :].view(4, b))
+        else:
+            self.input_ids[:n].copy_(batch.input_ids)
+            self.input_ids[n:bucket].zero_()
+            self.positions[:n].copy_(batch.positions)
+            self.positions[n:bucket].zero_()
+            self.out_cache_loc[:n].copy_(batch.out_cache_loc)
+            self.out_cache_loc[n:bucket].fill_(PADDING_SLOT)
+            self.req_pool_indices[:b].copy_(batch.req_pool_indices)
+            self.prefix_lens[:b].copy_(batch.prefix_lens)
+            self.extend_lens[:b].copy_(batch.extend_lens)
+            self.extend_start_loc[:b].copy_(batch.extend_start_loc)
         self._sentinels(b, num_slots, n)
         return self.view(batch.layout, bucket, num_slots)
 
@@ -122,7 +133,6 @@ class PrefillStaticBuffers:
         return self.view(layout, bucket, num_slots)
 
     def _sentinels(self, start: int, end: int, num_tokens: int) -> None:
-        self.req_pool_indices[start:end].zero_()
-        self.prefix_lens[start:end].zero_()
-        self.extend_lens[start:end].zero_()
-        self.extend_start_loc[start:end].fill_(num_tokens)
+        if start < end:
+            self.requests[:3, start:end].zero_()  # row 0, prefix 0, extend 0
+            self.extend_start_loc[start:end].fill_(num_tokens)
