@@ -247,3 +247,37 @@ def test_tc_piecewise_compiles_each_distinct_piece_once():
         want = w.eager_runner.run(batch, decide_replay(plan, 190, 2))
     assert runner.piece_compiles == 3  # replaying never recompiles
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_tc_piecewise_stores_kv_inside_the_pieces(monkeypatch):
+    """Between two piece replays the host launches attention only: K/V are written by the
+    captured pieces (the store op at the end of each piece), never by the bound attention's
+    store. A replay still leaves every layer's cache as eager leaves it."""
+    from service.ranks.attention.base import AttentionBackend
+    from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+
+    e = engine("tc_piecewise", buckets=(64,))
+    w = e.executor.worker
+    plan = e.resolved.plan
+    lens = (30, 25)
+    layout = BatchLayout(ForwardMode.EXTEND, (0, 1), (0, 0), lens)
+    slots = list(range(1, 56))
+    w.req_to_token.write(0, 0, slots[:30])
+    w.req_to_token.write(1, 0, slots[30:])
+    ids = [random.randrange(384) for _ in range(55)]
+    batch = ForwardBatch.build(layout, ids, slots, w.device)
+    kv = w.setup.eager_attention.kv.kv
+    with torch.inference_mode():
+        w.eager_runner.run(batch, decide_replay(plan, 55, 2))
+        want = [t[1:56].clone() for t in kv]
+        for t in kv:
+            t.zero_()
+        calls = []
+        original = AttentionBackend.store
+        monkeypatch.setattr(
+            AttentionBackend, "store", lambda *a, **k: calls.append(1) or original(*a, **k)
+        )
+        w.runner.run(batch, decide_replay(plan, 55, 2))
+    assert calls == []
+    for got, ref in zip(kv, want, strict=True):
+        assert torch.equal(got[1:56], ref)

@@ -122,15 +122,21 @@ class TokenKVPool:
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc (T,), k/v (T, Hkv, D). Padded tokens have loc == service.padding.PADDING_SLOT.
-        if self.layout.parts == 1:  # one entry: v is k
-            self.k[layer].index_copy_(0, loc, k.to(self.layout.dtype))
-            return
-        both = side_by_side(k, v)
-        if both is not None and both.dtype == self.layout.dtype:
-            self.kv[layer].index_copy_(0, loc, both)  # one kernel for K and V
-            return
-        self.k[layer].index_copy_(0, loc, k.to(self.layout.dtype))
-        self.v[layer].index_copy_(0, loc, v.to(self.layout.dtype))
+        store_entries(self.kv[layer], loc, k, v)
+
+
+def store_entries(kv: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One layer's cache (num_slots+1, parts, Hkv, D): each token's K and V (T, Hkv, D) to its
+    slot ``loc`` (T,); a one-part layout (MLA) keeps k alone."""
+    if kv.shape[1] == 1:  # one entry: v is k
+        kv[:, 0].index_copy_(0, loc, k.to(kv.dtype))
+        return
+    both = side_by_side(k, v)
+    if both is not None and both.dtype == kv.dtype:
+        kv.index_copy_(0, loc, both)  # one kernel for K and V
+        return
+    kv[:, 0].index_copy_(0, loc, k.to(kv.dtype))
+    kv[:, 1].index_copy_(0, loc, v.to(kv.dtype))
 
 
 def side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

@@ -1,58 +1,122 @@
 """Attention as an opaque torch custom op, so `torch.compile` splits the graph around it.
 
-The op receives tensors and the (layer id, variant) key; the attention bound to the live batch
-(planned once per forward) comes from a context variable that the runner sets around each call.
-The variable is scoped to the call (``with attention_context(...)``), not global state: nothing
-outside the runner sees it. The op stores this pass's K/V and attends, so the compiled pieces
-hold no KV-cache writes of their own.
+Two ops per attention call: ``capture_service::store_kv`` writes this pass's K/V into the layer's
+cache tensor (an input, so pieces of different layers are the same function of their inputs and
+share one compile) at the static KV slots and returns an empty token, and
+``capture_service::attention`` takes that token as an input and attends. The token orders the
+two (the store's effect is not an output anyone reads, so without it a compiler could drop it)
+and keeps the store out of the attention node: when the traced graph is split at attention, the
+store lands at the end of the piece before it and is captured in that piece's graph, so the host
+work between two piece replays is the attention launch alone.
+
+The attention op finds the attention bound to the live batch (planned once per forward) in a
+context variable that the runner sets around each call (``with attention_context(...)``), scoped
+to the call, not global state. The runner may also hand over where attention writes its output
+(buffers it shares between pieces), so the next piece reads the output in place instead of
+copying it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 
 from service.model.attention import AttentionKey, BoundAttention
+from service.ranks.kv_pool import store_entries
 
 OP_NAME = "capture_service::attention"
-_current: ContextVar[BoundAttention | None] = ContextVar("capture_service_attention", default=None)
+STORE_OP_NAME = "capture_service::store_kv"
+
+# (q, key) -> where attention of q writes, or None for a fresh tensor
+OutputFor = Callable[[torch.Tensor, AttentionKey], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    bound: BoundAttention
+    output_for: OutputFor | None = None
+
+
+_current: ContextVar[AttentionCall | None] = ContextVar("capture_service_attention", default=None)
+_keys: dict[tuple[int, str], AttentionKey] = {}
+
+
+def _key(layer_id: int, variant: str) -> AttentionKey:
+    key = _keys.get((layer_id, variant))
+    if key is None:
+        key = _keys[(layer_id, variant)] = AttentionKey(layer_id, variant)
+    return key
+
+
+def _call() -> AttentionCall:
+    call = _current.get()
+    if call is None:
+        raise RuntimeError("capture_service attention ops called outside attention_context")
+    return call
 
 
 def direct_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    variant: str,
+    stored: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What the op does, called without the dispatcher (split graphs call it at replay)."""
-    bound = _current.get()
-    if bound is None:
-        raise RuntimeError("capture_service::attention called outside attention_context")
-    key = AttentionKey(layer_id, variant)
-    bound.store(k, v, key)
-    return bound(q, k, v, key)
+    """What the attention op does, called without the dispatcher (split graphs call it at
+    replay). The cache already holds this pass's K/V (``stored``, the store op's token)."""
+    call = _call()
+    key = _key(layer_id, variant)
+    out = call.output_for(q, key) if call.output_for is not None else None
+    return call.bound(q, k, v, key, out)
+
+
+# Declared without mutated arguments: the cache is written for attention outside the compiled
+# piece to read, nothing inside the piece reads it, and a declared mutation would have the
+# compiler functionalize (copy) a whole layer's cache. The returned token keeps the call alive.
+@torch.library.custom_op(STORE_OP_NAME, mutates_args=())
+def store_kv_op(
+    k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor
+) -> torch.Tensor:
+    t, heads, dim = k.shape[0], kv.shape[2], kv.shape[3]
+    store_entries(kv, loc, k.view(t, heads, dim), v.view(t, heads, dim))
+    return k.new_empty(0)
+
+
+@store_kv_op.register_fake
+def _(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor):
+    return k.new_empty(0)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    variant: str,
+    stored: torch.Tensor,
 ) -> torch.Tensor:
-    out = direct_attention(q, k, v, layer_id, variant)
-    # a custom op's output may not alias its inputs; backends return fresh tensors, so the
-    # copy is only for one that hands back a view of q, k or v
+    out = direct_attention(q, k, v, layer_id, variant, stored)
+    # a custom op's output may not alias its inputs; backends return fresh tensors or the
+    # runner's output buffers, so the copy is only for one that hands back a view of an input
     aliases = any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
                   for t in (q, k, v))  # fmt: skip
     return out.clone() if aliases else out
 
 
 @attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str):
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant: str, stored):
     return torch.empty_like(q)
 
 
 @contextmanager
-def attention_context(bound: BoundAttention) -> Iterator[None]:
-    token = _current.set(bound)
+def attention_context(bound: BoundAttention, output_for: OutputFor | None = None) -> Iterator[None]:
+    token = _current.set(AttentionCall(bound, output_for))
     try:
         yield
     finally:
@@ -60,11 +124,19 @@ def attention_context(bound: BoundAttention) -> Iterator[None]:
 
 
 class OpAttention:
-    """The :class:`BoundAttention` a compiled forward calls: one custom op that stores and
-    attends (``store`` is deferred to it, so no KV write enters a compiled piece). Compiled
-    forwards are prefills."""
+    """The :class:`BoundAttention` a compiled forward calls: per attention call, the store op
+    into ``cache_for(key)`` (None: the path stores nothing, MLA's MHA path) at the first T of
+    the static KV slots ``loc``, then the attention op (``store`` is deferred to the call, which
+    emits both, so the store sits right before its attention in the trace). Compiled forwards
+    are prefills."""
 
     decode = False
+
+    def __init__(
+        self, cache_for: Callable[[AttentionKey], torch.Tensor | None], loc: torch.Tensor
+    ) -> None:
+        self.cache_for = cache_for
+        self.loc = loc
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         return None
@@ -77,7 +149,7 @@ class OpAttention:
         key: AttentionKey,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return torch.ops.capture_service.attention(q, k, v, key.layer_id, key.variant)
-
-
-op_attention = OpAttention()
+        ops = torch.ops.capture_service
+        kv = self.cache_for(key)
+        stored = k.new_empty(0) if kv is None else ops.store_kv(k, v, kv, self.loc[: k.shape[0]])
+        return ops.attention(q, k, v, key.layer_id, key.variant, stored)

@@ -36,7 +36,8 @@ class PieceGraph(nn.Module):
         self.parity = idx % 2
         self.out_specs: list[tuple[tuple[int, ...], torch.dtype] | None] | None = None
         self.tuple_out = True
-        self.captured: dict[int, tuple[list[Any], CapturedCall]] = {}  # bucket -> inputs, graph
+        # bucket -> (inputs, graph, positions of the inputs copied in at capture)
+        self.captured: dict[int, tuple[list[Any], CapturedCall, list[int]]] = {}
 
     def _learn_outputs(self, args: tuple) -> Any:
         """The first run after the trace: plain FX, to learn which outputs go to buffers."""
@@ -94,10 +95,14 @@ class PieceGraph(nn.Module):
             static = self._stage(args)
             call = CapturedCall(lambda: self._call(outs, static), state.device,
                                 state.pool, state.stream)  # fmt: skip
-            self.captured[state.bucket] = (static, call)
+            # only arguments that were copied in at capture can arrive elsewhere at replay: the
+            # rest are the shared buffers, static inputs and parameters the graph reads in place
+            staged = [i for i, (a, s) in enumerate(zip(args, static, strict=True)) if a is not s]
+            self.captured[state.bucket] = (static, call, staged)
             return call.out
-        static, call = entry
-        for dst, src in zip(static, args, strict=True):
-            if isinstance(src, torch.Tensor) and src.data_ptr() != dst.data_ptr():
+        static, call, staged = entry
+        for i in staged:
+            src, dst = args[i], static[i]
+            if src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
         return call.replay()

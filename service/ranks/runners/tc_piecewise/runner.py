@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from service.ranks.attention.custom_op import attention_context, op_attention
+from service.model.attention import MLA_NEW, AttentionKey
+from service.ranks.attention.custom_op import OpAttention, attention_context
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
@@ -50,8 +51,18 @@ class TcPiecewiseGraphRunner(GraphRunner):
                 f"piece_compiler must be one of {PIECE_COMPILERS}, not {piece_compiler}"
             )
         self.piece_compiler = piece_compiler
-        static = [self.buffers.input_ids, self.buffers.positions]
-        static += [*self.model.parameters(), *self.model.buffers()]
+        kv = self.eager_attention.kv.kv
+        # the pieces store K/V themselves: each layer's cache and the static KV slots are inputs
+        # read in place (never copied into an input buffer, whatever their first dimension)
+        static = [self.buffers.input_ids, self.buffers.positions, self.buffers.out_cache_loc]
+        static += [*self.model.parameters(), *self.model.buffers(), *kv]
+        registry = self.eager_attention.registry
+
+        def cache_for(key: AttentionKey) -> torch.Tensor | None:
+            spec = registry.spec(key)
+            return None if spec.kind == MLA_NEW else kv[spec.kv_layer]
+
+        self.op_attention = OpAttention(cache_for, self.buffers.out_cache_loc)
         self.state = CaptureState(
             buffers=SharedBuffers(self.buffers.max_tokens, self.device, static),
             device=self.device,
@@ -126,10 +137,10 @@ class TcPiecewiseGraphRunner(GraphRunner):
         return backend
 
     def _forward_code(self):
-        model = self.model
+        model, attention = self.model, self.op_attention
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return model(input_ids, positions, op_attention)
+            return model(input_ids, positions, attention)
 
         # a code object of this runner's own: another runner's cache entries never evict it
         code = forward.__code__.replace(co_name=f"tc_piecewise_forward_{id(self):x}")
@@ -158,7 +169,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
         if first:
             self._compiled = self._forward_code()
         self.state.bucket = bucket
-        with attention_context(self.eager_attention.bind(batch)):
+        with attention_context(self.eager_attention.bind(batch), self._attention_output):
             if first:
                 self._compiled(*self._inputs(bucket))  # trace once; pieces learn their outputs
             self.state.capturing = True
@@ -173,9 +184,16 @@ class TcPiecewiseGraphRunner(GraphRunner):
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
         self.state.bucket = bucket
-        with attention_context(self.eager_attention.bind(view)):
+        with attention_context(self.eager_attention.bind(view), self._attention_output):
             (hidden,) = _as_tuple(self._split(*captured))  # type: ignore[misc]
         return hidden
+
+    def _attention_output(self, q: torch.Tensor, key: AttentionKey) -> torch.Tensor:
+        """Where attention writes: a shared buffer per variant and layer parity, so the next
+        piece reads it in place (a static input, never copied) and a layer's output is not
+        overwritten before the piece after it has run."""
+        role = f"attn{key.layer_id % 2}_{key.variant}"
+        return self.state.buffers.get(role, 0, q.shape[0], tuple(q.shape[1:]), q.dtype)
 
 
 def _as_tuple(out: Any) -> tuple:
