@@ -118,11 +118,13 @@ class BreakableGraphRunner(GraphRunner):
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
+        # the first segment (embedding up to layer 0's attention inputs) needs no attention
+        # plan: launched first, it runs while the host plans attention for this batch
+        captured[0].replay()
         attention = self.eager_attention.bind(view)  # one plan per replay, not one per layer
         # the same buffer views serve every layer: made once per replay, so the host work
         # between two segment replays is the attention launch
         views, out = self.seg.qkv_views(bucket), self.seg.attn[:bucket]
-        captured[0].replay()
         for i in range(1, len(captured)):
             self._attend(i - 1, bucket, attention, views, out)
             captured[i].replay()
