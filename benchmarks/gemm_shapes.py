@@ -144,7 +144,8 @@ def main() -> int:
                 elif v == "tunable":
                     tun = torch.cuda.tunable
                     tun.enable(True)
-                    tun.write_file_on_exit(False)
+                    if hasattr(tun, "write_file_on_exit"):  # absent from some torch versions
+                        tun.write_file_on_exit(False)
                     tun.tuning_enable(True)
                     tun.set_max_tuning_duration(200)
                     for _ in range(2):  # tunes outside the graph
