@@ -118,7 +118,15 @@ def main() -> int:
     torch.manual_seed(0)
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copy_bw = 2 * (1 << 30) / (graph_us(lambda: dst.copy_(src), reps=5) / 1e6)
+    # timed outside a graph: a captured 1 GiB copy measured 2.77 TB/s against 4.19 eagerly
+    dst.copy_(src)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    copy_bw = 2 * (1 << 30) * 10 / (begin.elapsed_time(end) / 1e3)
     src = dst = None
     weights = {n: (torch.randn(nn, k, device=dev, dtype=torch.bfloat16) * 0.02,
                    torch.randn(nn, device=dev, dtype=torch.bfloat16) if bias else None)
