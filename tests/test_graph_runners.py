@@ -18,6 +18,7 @@ from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.padding import PADDING_SLOT
 from service.sampling import SamplingParams
+from tests.batches import live_batch
 
 BACKENDS = ["full", "breakable", "tc_piecewise"]
 CTX = 128
@@ -218,7 +219,6 @@ def test_tc_piecewise_compiles_each_distinct_piece_once():
     piece compiler: traced, not inductor-compiled, so it is quick on CPU) the 5 pieces of the
     4-layer model compile 3 times (first, middle, last) for all buckets, and replay == eager."""
     from service.buckets import BucketPlan
-    from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
     from service.ranks.runners.tc_piecewise import TcPiecewiseGraphRunner
 
     e = engine("tc_piecewise", buckets=(32, 64, 256))
@@ -236,13 +236,7 @@ def test_tc_piecewise_compiles_each_distinct_piece_once():
         for b in (256, 64, 32):
             runner.capture_bucket(b)
         assert runner.num_pieces == 5 and runner.piece_compiles == 3
-        lens = (100, 90)
-        layout = BatchLayout(ForwardMode.EXTEND, (0, 1), (0, 0), lens)
-        slots = list(range(1, 191))
-        w.req_to_token.write(0, 0, slots[:100])
-        w.req_to_token.write(1, 0, slots[100:])
-        ids = [random.randrange(384) for _ in range(190)]
-        batch = ForwardBatch.build(layout, ids, slots, w.device)
+        batch = live_batch(w, (100, 90))
         got = runner.run(batch, decide_replay(plan, 190, 2))
         want = w.eager_runner.run(batch, decide_replay(plan, 190, 2))
     assert runner.piece_compiles == 3  # replaying never recompiles
@@ -254,18 +248,11 @@ def test_tc_piecewise_stores_kv_inside_the_pieces(monkeypatch):
     captured pieces (the store op at the end of each piece), never by the bound attention's
     store. A replay still leaves every layer's cache as eager leaves it."""
     from service.ranks.attention.base import AttentionBackend
-    from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 
     e = engine("tc_piecewise", buckets=(64,))
     w = e.executor.worker
     plan = e.resolved.plan
-    lens = (30, 25)
-    layout = BatchLayout(ForwardMode.EXTEND, (0, 1), (0, 0), lens)
-    slots = list(range(1, 56))
-    w.req_to_token.write(0, 0, slots[:30])
-    w.req_to_token.write(1, 0, slots[30:])
-    ids = [random.randrange(384) for _ in range(55)]
-    batch = ForwardBatch.build(layout, ids, slots, w.device)
+    batch = live_batch(w, (30, 25))
     kv = w.setup.eager_attention.kv.kv
     with torch.inference_mode():
         w.eager_runner.run(batch, decide_replay(plan, 55, 2))

@@ -9,8 +9,6 @@ runs the live batch eagerly, or re-runs the captured Python, fails them.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -22,6 +20,7 @@ from service.model import llama, rotary
 from service.padding import PADDING_SLOT
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.worker import capture_failure
+from tests.batches import live_batch
 from tests.faults import FaultyLocalExecutor, RankFaults
 
 BACKENDS = ["full", "breakable", "tc_piecewise"]
@@ -39,19 +38,6 @@ def graph_cfg(backend: str, device: str = "cpu", **graph) -> EngineConfig:
         kv_cache_memory_bytes=32 << 20,
         graph=GraphConfig(backend=backend, buckets=graph.pop("buckets", (64, 256)), **graph),
     )
-
-
-def live_batch(worker, lens: tuple[int, ...], seed: int) -> ForwardBatch:
-    """A prefill batch of fresh requests in rows 0.., KV slots from 1, random ids."""
-    rng = random.Random(seed)
-    slots = list(range(1, 1 + sum(lens)))
-    start = 0
-    for row, n in enumerate(lens):
-        worker.req_to_token.write(row, 0, slots[start : start + n])
-        start += n
-    layout = BatchLayout(ForwardMode.EXTEND, tuple(range(len(lens))), (0,) * len(lens), lens)
-    ids = [rng.randrange(384) for _ in range(sum(lens))]
-    return ForwardBatch.build(layout, ids, slots, worker.device)
 
 
 def poison_model_python(monkeypatch) -> None:
