@@ -107,3 +107,15 @@ def test_static_copy_pads_and_fills_sentinels(reqs, extra_tokens, extra_slots, s
     assert view.prefix_lens.tolist() == list(layout.prefix_lens) + [0] * extra_slots
     assert view.extend_lens.tolist() == list(layout.extend_lens) + [0] * extra_slots
     assert view.extend_start_loc.tolist() == batch.extend_start_loc.tolist() + [t] * extra_slots
+
+
+def test_static_copy_refuses_a_batch_that_is_not_packed():
+    import dataclasses
+
+    from service.ranks.runners.static_buffers import PrefillStaticBuffers
+
+    layout = BatchLayout(ForwardMode.EXTEND, (0,), (0,), (3,))
+    batch = ForwardBatch.build(layout, [1, 2, 3], [4, 5, 6], torch.device("cpu"))
+    bufs = PrefillStaticBuffers.allocate(8, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"ForwardBatch\.build"):
+        bufs.copy_from(dataclasses.replace(batch, packed=None), 8, 2)

@@ -14,6 +14,8 @@ from enum import Enum
 import numpy as np
 import torch
 
+from service.ranks.host_staging import host_buffer, upload
+
 
 class ForwardMode(Enum):
     EXTEND = "extend"
@@ -92,9 +94,7 @@ class ForwardBatch:
         prefix = np.asarray(layout.prefix_lens, dtype=np.int64)
         starts = np.zeros(b, dtype=np.int64)
         np.cumsum(lens[:-1], out=starts[1:])
-        cuda = device.type == "cuda"
-        host = torch.empty(3 * t + 4 * b, dtype=torch.int64, pin_memory=cuda)
-        a = host.numpy()
+        host, a = host_buffer(3 * t + 4 * b, torch.int64, pin=device.type == "cuda")
         a[:t] = input_ids
         # token j of request i sits at position prefix[i] + (j - starts[i])
         a[t : 2 * t] = np.repeat(prefix - starts, lens) + np.arange(t, dtype=np.int64)
@@ -103,7 +103,7 @@ class ForwardBatch:
         a[3 * t + b : 3 * t + 2 * b] = prefix
         a[3 * t + 2 * b : 3 * t + 3 * b] = lens
         a[3 * t + 3 * b :] = starts
-        packed = host.to(device, non_blocking=True) if cuda else host
+        packed = upload(host, device)
         ids, pos, loc, r, p, e, st = packed.split([t, t, t, b, b, b, b])
         return ForwardBatch(
             layout=layout,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from service.errors import CapacityError
+from service.ranks.host_staging import host_buffer, upload
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,10 @@ class ReqToTokenPool:
         if not vals:
             return
         n = len(vals)
-        host = torch.empty(2 * n, dtype=torch.int64, pin_memory=self.table.is_cuda)
-        a = host.numpy()
+        host, a = host_buffer(2 * n, torch.int64, pin=self.table.is_cuda)
         a[:n] = flat
         a[n:] = vals
-        packed = host.to(self.table.device, non_blocking=True) if self.table.is_cuda else host
+        packed = upload(host, self.table.device)
         self.table.view(-1).index_copy_(0, packed[:n], packed[n:])
 
 

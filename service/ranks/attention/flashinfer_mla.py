@@ -95,12 +95,11 @@ class FlashInferMlaDecodeAttention(PlannedAttention):
         pl = paged_layout(
             live_layout(batch.layout), self.req_to_token.context_length, size, self.pin
         )
-        kv_len = pl.kv_indptr[1:] - pl.kv_indptr[:-1]
         metadata = self.mla.MLAPlanMetadata.csr(
             torch.arange(size + 1, dtype=torch.int32),  # one query row per slot
             pl.kv_indptr,
             pl.kv_indices(self.req_to_token.table),
-            kv_len,
+            pl.kv_lens,
         )
         self._wrapper(size).plan(
             metadata=metadata,

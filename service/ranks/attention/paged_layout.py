@@ -20,6 +20,7 @@ import torch
 
 from service.padding import PADDING_SLOT
 from service.ranks.forward_batch import BatchLayout
+from service.ranks.host_staging import host_buffer
 
 
 @dataclass(frozen=True)
@@ -63,17 +64,9 @@ def _offsets(lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def _host(n: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
-    """A host tensor and its numpy view; pinned when it feeds a copy to a CUDA device
-    (FlashInfer's plan copies the indptr arrays, :meth:`PagedLayout.kv_indices` the table
-    index), so that the copy is a DMA from this buffer rather than a driver staging copy."""
-    t = torch.empty(n, dtype=dtype, pin_memory=pin)
-    return t, t.numpy()
-
-
 def indptr(lengths: list[int] | tuple[int, ...], pin: bool = False) -> torch.Tensor:
     """(n+1,) int32 host offsets of consecutive ranges of these lengths."""
-    t, a = _host(len(lengths) + 1, torch.int32, pin)
+    t, a = host_buffer(len(lengths) + 1, torch.int32, pin)
     _offsets(np.asarray(lengths, dtype=np.int64), a)
     return t
 
@@ -96,7 +89,7 @@ def paged_layout(
     kv_lens = np.ones(slots, dtype=np.int64)  # a sentinel holds one entry: the padding slot
     kv_lens[:real] = seq
     # one int32 host buffer: qo_indptr | kv_indptr | kv_last_page_len | kv_lens
-    small, a = _host(4 * slots + 2, torch.int32, pin)
+    small, a = host_buffer(4 * slots + 2, torch.int32, pin)
     _offsets(extend, a[: slots + 1])
     kv = _offsets(kv_lens, a[slots + 1 : 2 * slots + 2])
     a[2 * slots + 2 : 3 * slots + 2] = 1
@@ -104,7 +97,7 @@ def paged_layout(
     # entry j of request i reads table[row_i, j]: flat index row_i * context + (e - kv[i])
     rows = np.asarray(layout.req_pool_indices, dtype=np.int64)
     base = np.repeat(rows * context_length - kv[:real], seq)
-    table_index, ti = _host(base.shape[0], torch.int64, pin)
+    table_index, ti = host_buffer(base.shape[0], torch.int64, pin)
     np.add(base, np.arange(base.shape[0], dtype=np.int64), out=ti)
     return PagedLayout(
         qo_indptr=small[: slots + 1],

@@ -88,15 +88,10 @@ class BreakableGraphRunner(GraphRunner):
         return [first, *(middle(i) for i in range(1, len(m.layers))), last]
 
     def _attend(
-        self,
-        i: int,
-        bucket: int,
-        attention: BoundAttention,
-        views: tuple[torch.Tensor, ...] | None = None,
-        out: torch.Tensor | None = None,
+        self, i: int, attention: BoundAttention, views: tuple[torch.Tensor, ...], out: torch.Tensor
     ) -> None:
-        out = self.seg.attn[:bucket] if out is None else out
-        views = self.seg.qkv_views(bucket) if views is None else views
+        """Layer i's attention from the segment buffer's ``views`` into ``out`` (both made
+        once per forward: the same buffers serve every layer)."""
         place(out, self.model.attend(i, views, attention, out))
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
@@ -106,10 +101,11 @@ class BreakableGraphRunner(GraphRunner):
         # the segments store K/V through the static buffers' out_cache_loc, so the captured
         # stores write where each replay's live tokens go
         fns = self._segment_fns(bucket, attention)
+        views, out = self.seg.qkv_views(bucket), self.seg.attn[:bucket]
         captured = []
         for i, fn in enumerate(fns):
             if i > 0:  # attention of layer i-1 on the synthetic batch feeds segment i
-                self._attend(i - 1, bucket, attention)
+                self._attend(i - 1, attention, views, out)
             captured.append(CapturedCall(fn, self.device, self.pool, self.stream))
         return captured
 
@@ -126,6 +122,6 @@ class BreakableGraphRunner(GraphRunner):
         # between two segment replays is the attention launch
         views, out = self.seg.qkv_views(bucket), self.seg.attn[:bucket]
         for i in range(1, len(captured)):
-            self._attend(i - 1, bucket, attention, views, out)
+            self._attend(i - 1, attention, views, out)
             captured[i].replay()
         return self.seg.hidden[:bucket]

@@ -74,27 +74,13 @@ class PrefillStaticBuffers:
                 f"{num_slots} slots (buffers {self.max_tokens} / {self.max_requests})"
             )
         packed = batch.packed
-        if (
-            packed is not None
-            and packed.device == self.tokens.device
-            and packed.numel() == 3 * n + 4 * b
-        ):
-            # the batch's seven tensors are rows of (3, n) and (4, b) slices of one tensor
-            self.tokens[:, :n].copy_(packed[: 3 * n].view(3, n))
-            if bucket > n:
-                self.tokens[:, n:bucket].copy_(self.pad_token.expand(3, bucket - n))
-            self.requests[:, :b].copy_(packed[3 * n :].view(4, b))
-        else:
-            self.input_ids[:n].copy_(batch.input_ids)
-            self.input_ids[n:bucket].zero_()
-            self.positions[:n].copy_(batch.positions)
-            self.positions[n:bucket].zero_()
-            self.out_cache_loc[:n].copy_(batch.out_cache_loc)
-            self.out_cache_loc[n:bucket].fill_(PADDING_SLOT)
-            self.req_pool_indices[:b].copy_(batch.req_pool_indices)
-            self.prefix_lens[:b].copy_(batch.prefix_lens)
-            self.extend_lens[:b].copy_(batch.extend_lens)
-            self.extend_start_loc[:b].copy_(batch.extend_start_loc)
+        if packed is None or packed.numel() != 3 * n + 4 * b:
+            raise ValueError("a replayed batch must be one built by ForwardBatch.build (packed)")
+        # the batch's seven tensors are rows of (3, n) and (4, b) slices of one tensor
+        self.tokens[:, :n].copy_(packed[: 3 * n].view(3, n))
+        if bucket > n:
+            self.tokens[:, n:bucket].copy_(self.pad_token.expand(3, bucket - n))
+        self.requests[:, :b].copy_(packed[3 * n :].view(4, b))
         self._sentinels(b, num_slots, n)
         return self.view(batch.layout, bucket, num_slots)
 
