@@ -147,6 +147,16 @@ def test_graph_runners_match_eager(model_dir, eager_engine, backend):
             assert gb.command.input_ids == eb.command.input_ids
             assert gr.record.graph_hit and gr.record.graph_kind == "cuda", (seed, gr.record)
             assert rel_err(gr.logits, er.logits) < REL_TOL, seed
+    runner = g.executor.worker.runner
+    fresh = BatchLayout(ForwardMode.EXTEND, (0,), (0,), (1,))
+    on_prefix = BatchLayout(ForwardMode.EXTEND, (0,), (1,), (1,))
+
+    def replays(layout: BatchLayout) -> int:  # `full`: the graphs of one attention variant
+        return sum(c.replays for b in runner.captured_buckets()
+                   for c in runner.replayed_calls(b, layout))  # fmt: skip
+
+    if backend == "full":  # fresh prompts replay the ragged graphs only
+        assert replays(fresh) > 0 and replays(on_prefix) == 0
     # 2,000 tokens over a 1,024-token chunk: the third prompt is split, and its second chunk
     # attends a cached prefix (the paged path; inside the graph for `full`)
     prompts = [[rng.randrange(384) for _ in range(500)] for _ in range(4)]
@@ -155,6 +165,8 @@ def test_graph_runners_match_eager(model_dir, eager_engine, backend):
     for (_, gr), (_, er) in zip(got, want, strict=True):
         assert gr.record.graph_hit
         assert rel_err(gr.logits, er.logits) < REL_TOL, seed
+    if backend == "full":  # the chunk on a cached prefix replayed a paged graph
+        assert replays(on_prefix) == 1
 
 
 def test_decode_graphs_match_eager_decode(model_dir):

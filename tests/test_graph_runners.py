@@ -268,3 +268,59 @@ def test_tc_piecewise_stores_kv_inside_the_pieces(monkeypatch):
     assert calls == []
     for got, ref in zip(kv, want, strict=True):
         assert torch.equal(got[1:56], ref)
+
+
+def test_full_captures_each_attention_variant_and_replays_the_one_a_layout_selects():
+    """A graph attention with variants (FlashInfer's: ragged without a cached prefix, paged on
+    one) gets a graph per bucket and variant: a fresh batch replays the first graph only, a
+    batch on a cached prefix the second only, and both equal eager."""
+    from service.ranks.attention.torch_slots import TorchSlotAttention
+    from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+    from service.ranks.runners.full import FullGraphRunner
+
+    class TwoVariants(TorchSlotAttention):
+        graph_variants = ("fresh", "on_prefix")
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.prepared: list[str] = []
+
+        def graph_variant(self, layout):
+            return "on_prefix" if any(layout.prefix_lens) else "fresh"
+
+        def prepare(self, batch, bucket, variant="fresh"):
+            self.prepared.append(variant)
+
+    e = engine("full", buckets=(64,), full_request_slots=4)
+    w = e.executor.worker
+    plan = e.resolved.plan
+    ga = TwoVariants(w.setup.eager_attention.registry, w.kv, w.req_to_token)
+    runner = FullGraphRunner(plan, w.model, w.setup.eager_attention, ga, w.device)
+    with torch.inference_mode():
+        runner.capture_bucket(64)
+        assert ga.prepared == ["fresh", "on_prefix"]
+        fresh, on_prefix = runner.captured_calls(64)
+        slots = list(range(1, 61))
+        w.req_to_token.write(0, 0, slots[:40])
+        w.req_to_token.write(1, 0, slots[40:])
+        ids = [random.randrange(384) for _ in range(60)]
+        first = ForwardBatch.build(
+            BatchLayout(ForwardMode.EXTEND, (0, 1), (0, 0), (30, 20)), ids[:50],
+            slots[:30] + slots[40:60], w.device,
+        )  # fmt: skip
+        decision = decide_replay(plan, 50, 2)
+        got = runner.run(first, decision).clone()
+        want = w.eager_runner.run(first, decision)
+        assert (fresh.replays, on_prefix.replays) == (1, 0)
+        assert runner.replayed_calls(64, first.layout) == [fresh]
+        assert (got - want).abs().max().item() < 1e-5
+        # the next chunk of request 0 on its 30 cached tokens
+        chunk = ForwardBatch.build(
+            BatchLayout(ForwardMode.EXTEND, (0,), (30,), (10,)), ids[50:60], slots[30:40],
+            w.device,
+        )  # fmt: skip
+        decision = decide_replay(plan, 10, 1)
+        got = runner.run(chunk, decision).clone()
+        want = w.eager_runner.run(chunk, decision)
+        assert (fresh.replays, on_prefix.replays) == (1, 1)
+        assert (got - want).abs().max().item() < 1e-5

@@ -74,8 +74,9 @@ def test_replay_is_frozen_at_capture_and_goes_through_the_captured_calls(
     assert decision.hit and decision.bucket == 256
     with torch.inference_mode():
         want = w.eager_runner.run(batch, decision).clone()
-        calls = runner.captured_calls(256)
-        assert calls and all(c.replays == 0 for c in calls)
+        calls = runner.replayed_calls(256, batch.layout)  # the graphs this batch selects
+        others = [c for c in runner.captured_calls(256) if all(c is not d for d in calls)]
+        assert calls and all(c.replays == 0 for c in runner.captured_calls(256))
         first = runner.run(batch, decision)
         first_ptr, first_val = first.data_ptr(), first.clone()
         poison_model_python(monkeypatch)
@@ -83,6 +84,7 @@ def test_replay_is_frozen_at_capture_and_goes_through_the_captured_calls(
             w.eager_runner.run(batch, decision)
         got = runner.run(batch, decision)  # ... and a replay never meets it
     assert [c.replays for c in calls] == [2] * len(calls)
+    assert all(c.replays == 0 for c in others)  # a variant this layout does not select
     assert all(c.replays == 0 for c in runner.captured_calls(64))
     # the graphs' own output storage, overwritten in place by every replay
     assert got.data_ptr() == first_ptr

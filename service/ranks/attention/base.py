@@ -18,7 +18,7 @@ from service.model.attention import (
     AttentionSpec,
     BoundAttention,
 )
-from service.ranks.forward_batch import ForwardBatch, ForwardMode
+from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
 
 
@@ -73,10 +73,24 @@ class AttentionBackend(ABC):
         bound.store(k, v, key)
         return bound(q, k, v, key)
 
-    def prepare(self, batch: ForwardBatch, bucket: int) -> None:
-        """Host-side planning before the graph of ``bucket`` is captured or replayed over
-        ``batch`` (outside the graph). Backends whose metadata is computed in-graph need none."""
+    # A graph-safe backend may need one graph per bucket and *variant* (kernels chosen by the
+    # request layout, e.g. FlashInfer's ragged kernel for batches without a cached prefix): the
+    # `full` runner captures every variant and replays the one the batch's layout selects.
+    graph_variants: tuple[str, ...] = ("any",)
+
+    def graph_variant(self, layout: BatchLayout) -> str:
+        """The variant whose graph serves a batch of this layout."""
+        return self.graph_variants[0]
+
+    def prepare(self, batch: ForwardBatch, bucket: int, variant: str = "any") -> None:
+        """Host-side planning before the graph of ``bucket`` (and ``variant``) is captured or
+        replayed over ``batch`` (outside the graph). Backends whose metadata is computed in-graph
+        need none."""
         return None
+
+    def bind_variant(self, batch: ForwardBatch, variant: str) -> BoundAttention:
+        """:meth:`bind` for the graph of one variant (called inside the captured function)."""
+        return self.bind(batch)
 
     def forget(self, bucket: int) -> None:
         """Drop what ``prepare`` keeps for ``bucket`` (its capture failed on another rank)."""

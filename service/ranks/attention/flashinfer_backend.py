@@ -257,13 +257,21 @@ def live_layout(layout: BatchLayout) -> BatchLayout:
 
 
 class FlashInferGraphAttention(FlashInferBase):
+    """Two graph variants per bucket: ``ragged`` for batches without a cached prefix (the K/V
+    of this pass, read in place from the qkv projection: the kernel eager prefill uses, no
+    gather through the pool) and ``paged`` for batches on a cached prefix (chunked prefill)."""
+
     name = "flashinfer_graph"
     graph_safe = True
+    graph_variants = ("ragged", "paged")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._buffers: GraphPlanBuffers | None = None
-        self._wrappers: dict[tuple[int, HeadShape], Any] = {}
+        self._wrappers: dict[tuple[int, HeadShape, str], Any] = {}
+
+    def graph_variant(self, layout: BatchLayout) -> str:
+        return "paged" if any(layout.prefix_lens) else "ragged"
 
     def _buffers_for(self, num_slots: int) -> GraphPlanBuffers:
         if self._buffers is None:
@@ -277,15 +285,22 @@ class FlashInferGraphAttention(FlashInferBase):
             )
         return self._buffers
 
-    def _wrapper(self, bucket: int, shape: HeadShape, bufs: GraphPlanBuffers) -> Any:
-        key = (bucket, shape)
+    def _wrapper(self, bucket: int, shape: HeadShape, variant: str, bufs: GraphPlanBuffers) -> Any:
+        # the variants share the plan buffers: each replay is preceded by its own plan
+        key = (bucket, shape, variant)
         if key not in self._wrappers:
-            w = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True,
-                qo_indptr_buf=bufs.qo_indptr, paged_kv_indptr_buf=bufs.kv_indptr,
-                paged_kv_indices_buf=bufs.kv_indices,
-                paged_kv_last_page_len_buf=bufs.kv_last_page_len, backend=self.kernel,
-            )  # fmt: skip
+            if variant == "ragged":  # K/V ranges are the query ranges: one indptr for both
+                w = self.fi.BatchPrefillWithRaggedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs.qo_indptr,
+                    kv_indptr_buf=bufs.kv_indptr, backend=self.kernel,
+                )  # fmt: skip
+            else:
+                w = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True,
+                    qo_indptr_buf=bufs.qo_indptr, paged_kv_indptr_buf=bufs.kv_indptr,
+                    paged_kv_indices_buf=bufs.kv_indices,
+                    paged_kv_last_page_len_buf=bufs.kv_last_page_len, backend=self.kernel,
+                )  # fmt: skip
             w.reset_workspace_buffer(self.workspace, bufs.int_workspace)
             self._wrappers[key] = w
         return self._wrappers[key]
@@ -294,31 +309,50 @@ class FlashInferGraphAttention(FlashInferBase):
         for key in [k for k in self._wrappers if k[0] == bucket]:
             del self._wrappers[key]
 
-    def prepare(self, batch: ForwardBatch, bucket: int) -> None:
+    def prepare(self, batch: ForwardBatch, bucket: int, variant: str = "paged") -> None:
         num_slots = batch.req_pool_indices.shape[0]
         bufs = self._buffers_for(num_slots)
-        pl = paged_layout(
-            live_layout(batch.layout), self.req_to_token.context_length, num_slots, self.pin
-        )
+        live = live_layout(batch.layout)
+        dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
+        if variant == "ragged":
+            if any(live.prefix_lens):
+                raise ValueError("the ragged graph serves batches without a cached prefix")
+            # sentinel requests: no query rows and no K/V, so they generate no work
+            lens = (*live.extend_lens, *(0,) * (num_slots - live.num_requests))
+            qo = indptr(lens, self.pin)
+            for shape in self.head_shapes:
+                self._wrapper(bucket, shape, variant, bufs).plan(
+                    qo, qo, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                    causal=True, sm_scale=shape.scale, **dtypes,
+                )  # fmt: skip
+            return
+        pl = paged_layout(live, self.req_to_token.context_length, num_slots, self.pin)
         kv_indices = pl.kv_indices(self.req_to_token.table)
         for shape in self.head_shapes:
-            self._wrapper(bucket, shape, bufs).plan(
+            self._wrapper(bucket, shape, variant, bufs).plan(
                 pl.qo_indptr, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
                 shape.num_heads, shape.num_kv_heads, shape.head_dim, 1,
-                causal=True, sm_scale=shape.scale,
-                q_data_type=self.dtype, kv_data_type=self.dtype, **host_lengths(pl),
+                causal=True, sm_scale=shape.scale, **dtypes, **host_lengths(pl),
             )  # fmt: skip
 
     def bind(self, batch: ForwardBatch) -> BoundAttention:
+        return self.bind_variant(batch, "paged")
+
+    def bind_variant(self, batch: ForwardBatch, variant: str) -> BoundAttention:
         bucket = batch.input_ids.shape[0]
 
         def attend(q, k, v, key, out):
             spec, q3 = self.heads(q, key)
-            wrapper = self._wrappers.get((bucket, self.shapes[key]))
+            wrapper = self._wrappers.get((bucket, self.shapes[key], variant))
             if wrapper is None:
                 raise RuntimeError(f"bucket {bucket} was not prepared before its graph ran")
+            # the kernels write the planned (live) rows only: padded rows stay 0
             res = torch.zeros_like(q3) if out is None else out.view(q3.shape).zero_()
-            wrapper.run(q3, self._paged_cache(spec), out=res)  # rows past the live ones stay 0
+            if variant == "ragged":  # strided k/v (columns of one qkv tensor), read in place
+                t, h, d = k.shape[0], spec.num_kv_heads, spec.head_dim
+                wrapper.run(q3, k.view(t, h, d), v.view(t, h, d), out=res)
+            else:
+                wrapper.run(q3, self._paged_cache(spec), out=res)
             return res.view(q.shape[0], -1)
 
         return Bound(self, batch, attend)

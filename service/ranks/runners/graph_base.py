@@ -13,7 +13,7 @@ from service.commands import GraphKind
 from service.errors import CaptureFailed
 from service.model.llama import CausalLM
 from service.ranks.attention.base import AttentionBackend
-from service.ranks.forward_batch import ForwardBatch
+from service.ranks.forward_batch import BatchLayout, ForwardBatch
 from service.ranks.runners.base import PrefillRunner
 from service.ranks.runners.graph_capture import CapturedCall, timed_capture
 from service.ranks.runners.static_buffers import PrefillStaticBuffers
@@ -55,7 +55,11 @@ class GraphRunner(PrefillRunner):
 
     @abstractmethod
     def captured_calls(self, bucket: int) -> list[CapturedCall]:
-        """The graphs a replay of ``bucket`` runs, in order."""
+        """The graphs captured for ``bucket``."""
+
+    def replayed_calls(self, bucket: int, layout: BatchLayout) -> list[CapturedCall]:
+        """The graphs a replay of ``bucket`` over a batch of this layout runs, in order."""
+        return self.captured_calls(bucket)
 
     def forget(self, num_tokens: int) -> None:
         self._captured.pop(num_tokens, None)
