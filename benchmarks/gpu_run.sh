@@ -110,10 +110,12 @@ for what in "$@"; do
     prefill)
       # BUCKETS: a subset of the default buckets; COUNT: buckets with kernel counts, device
       # busy and host issue times; PROFILE / HOSTPROF: the bucket whose kernels / host
-      # functions are printed; HF: token counts for HF transformers compiled
+      # functions are printed; HF: token counts for HF transformers compiled; KDIFF: the bucket
+      # whose kernels are compared eager against graph, one by one
       TAIL=40 step prefill 560 python3 benchmarks/prefill_graphs.py --iters 20 \
         ${BUCKETS:+--buckets $BUCKETS} --kernel-count-buckets "${COUNT:-16,256,2048,8192}" \
         --profile "${PROFILE:-256}" ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
+        ${KDIFF:+--kernel-diff $KDIFF} \
         --out "$RES/prefill.json" ;;
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
       TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_clocks import ClockSampler
 from service.buckets import ResolvedRequestPool, decide_replay, partition_bucket
 from service.capture_result import CaptureStat
 from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
@@ -120,6 +121,77 @@ def timed(fn, device: torch.device, iters: int) -> float:
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def paired(fns: dict, device: torch.device, iters: int, rounds: int = 4) -> dict:
+    """{name: (median ms, mean SM MHz or None)} of each fn, timed in alternating rounds (the
+    first fn's share of ``iters``, then the second's, ...), so that clocks or temperature
+    drifting over the run fall on each alike: the fair "graph vs eager" comparison."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    samples: dict = {name: [] for name in fns}
+    clocks: dict = {name: [] for name in fns}
+    per_round = max(1, iters // rounds)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            with ClockSampler() as sampler:
+                samples[name] += [_one(fn, device) for _ in range(per_round)]
+            clocks[name] += [mhz for mhz, _ in sampler.samples]
+    return {
+        name: (statistics.median(samples[name]),
+               statistics.fmean(clocks[name]) if clocks[name] else None)
+        for name in fns
+    }  # fmt: skip
+
+
+def _one(fn, device: torch.device) -> float:
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end)
+
+
+def kernel_times(fn) -> dict[str, tuple[float, float]]:
+    """{kernel name: (launches per call, device microseconds per call)} over three calls."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            got = out.setdefault(e.name, [0.0, 0.0])
+            got[0] += 1 / 3
+            got[1] += e.device_time / 3
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def kernel_diff(title: str, eager: dict, graph: dict, rows: int = 14) -> None:
+    """Per kernel, eager against graph replay: where a graph's device time differs."""
+    print(f"--- kernel diff: {title} (us per call; sorted by |graph - eager|)")
+    print(f"{'n eager':>8} {'eager us':>10} {'n graph':>8} {'graph us':>10} {'diff':>9}  kernel")
+
+    def gap(k: str) -> float:
+        return -abs(graph.get(k, (0, 0.0))[1] - eager.get(k, (0, 0.0))[1])
+
+    names = sorted(set(eager) | set(graph), key=gap)
+    for k in names[:rows]:
+        (ne, te), (ng, tg) = eager.get(k, (0, 0.0)), graph.get(k, (0, 0.0))
+        print(f"{ne:>8.0f} {te:>10.1f} {ng:>8.0f} {tg:>10.1f} {tg - te:>+9.1f}  {k[:90]}")
+    te, tg = sum(v[1] for v in eager.values()), sum(v[1] for v in graph.values())
+    print(f"{'':>8} {te:>10.1f} {'':>8} {tg:>10.1f} {tg - te:>+9.1f}  (all)")
 
 
 def device_profile(fn) -> tuple[float, float]:
@@ -290,6 +362,9 @@ def main() -> int:
     ap.add_argument(
         "--host-profile", type=int, default=None, help="print host functions of this bucket"
     )
+    ap.add_argument(
+        "--kernel-diff", type=int, default=None, help="per-kernel eager vs graph at this bucket"
+    )
     ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--flashinfer-kernel", choices=("auto", "fa2", "fa3"), default="auto")
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
@@ -372,8 +447,7 @@ def main() -> int:
                     return worker.model.logits(hidden.index_select(0, last))
 
                 row = rows.setdefault(b, {"bucket": b, "requests": len(lens)})
-                if "eager_ms" not in row:
-                    row["eager_ms"] = timed(eager_step, worker.device, args.iters)
+                if "floor_ms" not in row:
                     flops = prefill_flops(worker.model.cfg, lens)
                     weight_bytes = sum(
                         p.numel() * p.element_size() for p in worker.model.parameters()
@@ -386,7 +460,14 @@ def main() -> int:
                     if cuda and b in count_buckets:
                         row["eager_kernels"], row["eager_busy_ms"] = device_profile(eager_step)
                         row["eager_host_ms"] = host_ms(eager_step, args.iters)
-                row[f"{backend}_ms"] = timed(graph_step, worker.device, args.iters)
+                # graph and eager timed alternately, with the SM clock each ran at
+                both = paired({"eager": eager_step, backend: graph_step}, worker.device, args.iters)
+                row[f"{backend}_ms"], row[f"{backend}_mhz"] = both[backend]
+                row[f"{backend}_eager_ms"], row[f"{backend}_eager_mhz"] = both["eager"]
+                row.setdefault("eager_ms", row[f"{backend}_eager_ms"])  # the first backend's
+                if cuda and b == args.kernel_diff:
+                    kernel_diff(f"{backend} bucket {b}", kernel_times(eager_step),
+                                kernel_times(graph_step))  # fmt: skip
                 if cuda and b in count_buckets:
                     row[f"{backend}_kernels"], row[f"{backend}_busy_ms"] = device_profile(
                         graph_step
@@ -433,6 +514,18 @@ def main() -> int:
         for be in backends:
             line += cell(r.get(f"{be}_ms"), r.get(f"{be}_kernels"), 10)
         print(line)
+    print("graph / eager, timed alternately in one stretch (SM MHz graph / eager)")
+    print(f"{'bucket':>6}" + "".join(f" {b[:12]:>22}" for b in backends))
+    for b in sorted(rows):
+        r, cells = rows[b], ""
+        for be in backends:
+            if f"{be}_eager_ms" not in r:
+                cells += f" {'-':>22}"
+                continue
+            mhz, emhz = r[f"{be}_mhz"], r[f"{be}_eager_mhz"]
+            clk = f"{mhz:>5.0f}/{emhz:<5.0f}" if mhz and emhz else f"{'-':>11}"
+            cells += f" {r[f'{be}_ms'] / r[f'{be}_eager_ms']:>9.3f} {clk:>12}"
+        print(f"{b:>6}" + cells)
     # where a call's time goes: device busy (kernels, copies) vs host issue time
     print("ms per call: event time / device busy / host issue (buckets with kernel counts)")
     print(f"{'bucket':>6}" + "".join(f" {b[:12]:>22}" for b in ["eager", *backends]))
