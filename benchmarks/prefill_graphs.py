@@ -123,7 +123,9 @@ def timed(fn, device: torch.device, iters: int) -> float:
     return statistics.median(samples)
 
 
-def paired(fns: dict, device: torch.device, iters: int, rounds: int = 4) -> dict:
+def paired(
+    fns: dict, device: torch.device, iters: int, clocks: ClockSampler, rounds: int = 4
+) -> dict:
     """{name: (median ms, mean SM MHz or None)} of each fn, timed in alternating rounds (the
     first fn's share of ``iters``, then the second's, ...), so that clocks or temperature
     drifting over the run fall on each alike: the fair "graph vs eager" comparison."""
@@ -131,18 +133,16 @@ def paired(fns: dict, device: torch.device, iters: int, rounds: int = 4) -> dict
         for _ in range(3):
             fn()
     samples: dict = {name: [] for name in fns}
-    clocks: dict = {name: [] for name in fns}
+    windows: dict = {name: [] for name in fns}
     per_round = max(1, iters // rounds)
     for _ in range(rounds):
         for name, fn in fns.items():
-            with ClockSampler() as sampler:
-                samples[name] += [_one(fn, device) for _ in range(per_round)]
-            clocks[name] += [mhz for mhz, _ in sampler.samples]
+            t0 = time.perf_counter()
+            samples[name] += [_one(fn, device) for _ in range(per_round)]
+            windows[name].append((t0, time.perf_counter()))
     return {
-        name: (statistics.median(samples[name]),
-               statistics.fmean(clocks[name]) if clocks[name] else None)
-        for name in fns
-    }  # fmt: skip
+        name: (statistics.median(samples[name]), clocks.mean_mhz(windows[name])) for name in fns
+    }
 
 
 def _one(fn, device: torch.device) -> float:
@@ -291,19 +291,43 @@ def host_profile(title: str, fn, calls: int = 20) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
-def device_rates(device: torch.device) -> tuple[float, float]:
-    """(bytes/s of a device-to-device copy, bf16 matmul FLOP/s), measured now."""
+def device_rates(device: torch.device, clocks: ClockSampler) -> dict:
+    """Bytes/s of a device-to-device copy and bf16 matmul FLOP/s, measured now.
+
+    The matmul rate twice: ``burst`` (10 products from an idle GPU, the way a short benchmark
+    sees it) and ``sustained`` (after a second of back-to-back products, at the clocks the
+    board's power limit settles to, which is where a forward of thousands of tokens runs). The
+    floor uses the sustained rate: a floor the GPU cannot hold for the length of a forward
+    is not a floor."""
     if device.type != "cuda":
-        return 0.0, 0.0
+        return {"copy": 0.0, "matmul": 0.0}
     a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     copy_ms = timed(lambda: b.copy_(a), device, 10)
     n = 8192
     x = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     y = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    mm_ms = timed(lambda: x @ y, device, 10)
-    # a copy reads and writes every byte
-    return 2 * (1 << 30) / (copy_ms / 1e3), 2 * n**3 / (mm_ms / 1e3)
+    torch.cuda.synchronize(device)
+    time.sleep(1.0)  # idle: clocks back up
+    t0 = time.perf_counter()
+    burst_ms = timed(lambda: x @ y, device, 10)
+    burst_window = [(t0, time.perf_counter())]
+    t_end = time.perf_counter() + 1.0
+    while time.perf_counter() < t_end:
+        for _ in range(50):
+            x @ y
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    sustained_ms = timed(lambda: x @ y, device, 20)
+    sustained_window = [(t0, time.perf_counter())]
+    flops = 2 * n**3
+    return {
+        "copy": 2 * (1 << 30) / (copy_ms / 1e3),  # a copy reads and writes every byte
+        "matmul": flops / (sustained_ms / 1e3),
+        "matmul_burst": flops / (burst_ms / 1e3),
+        "matmul_mhz": clocks.mean_mhz(sustained_window),
+        "matmul_burst_mhz": clocks.mean_mhz(burst_window),
+    }
 
 
 def prefill_flops(cfg, seq_lens: list[int]) -> float:
@@ -398,12 +422,13 @@ def main() -> int:
     worker = None
     cuda = torch.cuda.is_available()
     count_buckets = {int(b) for b in args.kernel_count_buckets.split(",") if b.strip()}
+    clocks = ClockSampler().start() if cuda else ClockSampler()
     with torch.inference_mode():
         for backend in args.backends.split(","):
             graph = GraphConfig(backend, buckets)
             if worker is None:  # one model for all backends: same weights, a runner each
                 worker = RankWorker(set_up_rank(base))
-                rates = device_rates(worker.device)
+                rates = device_rates(worker.device, clocks)
             info = worker.info
             plan = graph.plan(
                 context_length=info.context_length,
@@ -452,16 +477,21 @@ def main() -> int:
                     weight_bytes = sum(
                         p.numel() * p.element_size() for p in worker.model.parameters()
                     )
-                    copy_bw, mm_rate = rates
+                    copy_bw, mm_rate = rates["copy"], rates["matmul"]
                     row["floor_ms"] = (
                         max(weight_bytes / copy_bw, flops / mm_rate) * 1e3 if copy_bw else None
                     )
+                    if copy_bw:  # the same floor at the burst matmul rate, for comparison
+                        burst = max(weight_bytes / copy_bw, flops / rates["matmul_burst"])
+                        row["floor_burst_ms"] = burst * 1e3
                     refs[b] = eager_step()
                     if cuda and b in count_buckets:
                         row["eager_kernels"], row["eager_busy_ms"] = device_profile(eager_step)
                         row["eager_host_ms"] = host_ms(eager_step, args.iters)
                 # graph and eager timed alternately, with the SM clock each ran at
-                both = paired({"eager": eager_step, backend: graph_step}, worker.device, args.iters)
+                both = paired(
+                    {"eager": eager_step, backend: graph_step}, worker.device, args.iters, clocks
+                )
                 row[f"{backend}_ms"], row[f"{backend}_mhz"] = both[backend]
                 row[f"{backend}_eager_ms"], row[f"{backend}_eager_mhz"] = both["eager"]
                 row.setdefault("eager_ms", row[f"{backend}_eager_ms"])  # the first backend's
@@ -489,6 +519,8 @@ def main() -> int:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
 
+    clocks.stop()
+    print(f"SM clocks sampled by: {clocks.source}")
     hf = {}
     for tokens in [int(t) for t in args.hf_compiled.split(",") if t.strip()]:
         hf[tokens] = hf_compiled_ms(QWEN25_15B, tokens, args.iters)
@@ -548,14 +580,18 @@ def main() -> int:
         )
     print(f"attention: {info.attention.name} ({info.attention.reason})")
     print(f"fused kernels: {info.kernels.name} ({info.kernels.reason})")
-    if rates and rates[0]:
+    if rates and rates["copy"]:
         print(
-            f"measured: copy {rates[0] / 1e12:.2f} TB/s, bf16 matmul {rates[1] / 1e12:.0f} TFLOP/s"
+            f"measured: copy {rates['copy'] / 1e12:.2f} TB/s, bf16 matmul sustained "
+            f"{rates['matmul'] / 1e12:.0f} TFLOP/s at {rates['matmul_mhz'] or 0:.0f} MHz (the "
+            f"floor's), burst {rates['matmul_burst'] / 1e12:.0f} TFLOP/s at "
+            f"{rates['matmul_burst_mhz'] or 0:.0f} MHz"
         )
     if args.out:
         Path(args.out).write_text(
             json.dumps({"rows": [rows[b] for b in sorted(rows)], "captures": captures,
-                        "copy_bytes_per_s": rates[0], "matmul_flops": rates[1],
+                        "copy_bytes_per_s": rates["copy"], "matmul_flops": rates["matmul"],
+                        "rates": rates,
                         "device": torch.cuda.get_device_name() if worker.device.type == "cuda"
                         else "cpu",
                         "attention": info.attention.to_json(),

@@ -69,7 +69,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("path", "mode", "prefix", "extend"), CASES, ids=[c[0] for c in CASES])
-def test_eager_paths_match_torch(model_dir, path, mode, prefix, extend):
+def test_eager_paths_match_torch(model_dir, path, mode, prefix, extend, monkeypatch):
     worker = set_up_rank(cfg(model_dir))
     assert worker.info.attention.name == "flashinfer"
     fi = worker.eager_attention
@@ -105,13 +105,28 @@ def test_eager_paths_match_torch(model_dir, path, mode, prefix, extend):
         rand(spec.num_kv_heads * spec.head_dim),
         rand(spec.num_kv_heads * spec.head_dim),
     )
+    runs = []  # calls through FlashInfer's Python run, per wrapper
+    for w in {**fi._ragged, **fi._paged, **fi._decode}.values():
+        monkeypatch.setattr(w, "run", lambda *a, _run=w.run, **kw: runs.append(1) or _run(*a, **kw))
     with torch.inference_mode():
         bound = fi.bind(batch)
         bound.store(k, v, key)
         got = bound(q, k, v, key)
         want = ref.forward(q, k, v, key, batch)
-    assert got.shape == want.shape == q.shape
-    assert rel_err(got, want) < REL_TOL
+        assert got.shape == want.shape == q.shape
+        assert rel_err(got, want) < REL_TOL
+        # a segment runner's layers: the same buffers with new contents and one output buffer.
+        # The first call goes through FlashInfer's run and records its launch, the second
+        # makes that launch directly: it must read the new contents and write the output
+        out = torch.empty_like(q)
+        for _ in range(2):
+            for t_ in (q, k, v):
+                t_.copy_(rand(t_.shape[1]))
+            bound.store(k, v, key)
+            got = bound(q, k, v, key, out)
+            assert got.data_ptr() == out.data_ptr()
+            assert rel_err(got, ref.forward(q, k, v, key, batch)) < REL_TOL
+    assert len(runs) == 2, "the second call with the same views did not skip FlashInfer's run"
 
 
 def prefill_results(e: Engine, prompts: list[list[int]]):

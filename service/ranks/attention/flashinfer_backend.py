@@ -20,6 +20,7 @@ graph's memory pool would otherwise hand them stale values.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -156,7 +157,7 @@ class FlashInferAttention(FlashInferBase):
         shape (ragged: layers of one shape share them) or per layer (paged: each layer's
         cache), and padded output rows zeroed once, not once per layer."""
         n = q.shape[0]
-        views: dict[tuple, tuple] = {}
+        views: dict[tuple, list] = {}
 
         def launch(key: AttentionKey) -> torch.Tensor:
             shape = self.shapes[key]
@@ -171,9 +172,12 @@ class FlashInferAttention(FlashInferBase):
                     args: tuple = (q3[:num_real], k3, v3)
                 else:
                     args = (q3[:num_real], self._paged_cache(spec))
-                got = views[vkey] = (wrappers[shape], args, res[:num_real], res.view(n, -1))
-            wrapper, args, res_real, result = got
-            wrapper.run(*args, out=res_real)
+                got = views[vkey] = [wrappers[shape], args, res[:num_real], res.view(n, -1), None]
+            wrapper, args, res_real, result, direct = got
+            if direct is not None:  # the kernel call FlashInfer's run made for these views
+                direct()
+            else:
+                got[4] = recorded_launch(wrapper, lambda: wrapper.run(*args, out=res_real))
             return result
 
         return launch
@@ -205,6 +209,53 @@ class FlashInferAttention(FlashInferBase):
                 s.num_heads, s.num_kv_heads, s.head_dim, 1,
                 sm_scale=s.scale, **dtypes,
             )  # fmt: skip
+
+
+class _Recorder:
+    """Stands in for a wrapper's compiled module during one ``run``: forwards every call and
+    keeps the (method, arguments) of each."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        got = getattr(self.module, name)
+        if not callable(got):
+            return got
+
+        def call(*args: Any) -> Any:
+            self.calls.append((name, args))
+            return got(*args)
+
+        return call
+
+
+def recorded_launch(wrapper: Any, run: Callable[[], Any]) -> Callable[[], Any] | None:
+    """Run ``run`` (a wrapper's ``run`` over fixed views) and return the one kernel call it
+    made, to be made again directly; ``None`` (keep calling ``run``) unless it made exactly one.
+
+    Why: FlashInfer's Python ``run`` re-derives the same arguments on every call (backend
+    dispatch, shape and dtype checks, API logging), about 15 us of host time per layer, while
+    the launch it ends in is one call into the compiled module whose arguments (the plan's info
+    and buffers, these views, the output) do not change for the rest of the forward. A segment
+    runner's layers call attention over the same views, so from the second layer on only the
+    launch is left. Valid until the next plan: the launcher holding it lives for one forward.
+    """
+    module = getattr(wrapper, "_cached_module", None)
+    if module is None:
+        run()
+        return None
+    recorder = _Recorder(module)
+    wrapper._cached_module = recorder
+    try:
+        run()
+    finally:
+        wrapper._cached_module = module
+    if len(recorder.calls) != 1:
+        return None
+    name, args = recorder.calls[0]
+    return functools.partial(getattr(module, name), *args)
 
 
 def host_lengths(pl: PagedLayout) -> dict[str, Any]:

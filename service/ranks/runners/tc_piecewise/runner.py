@@ -29,6 +29,7 @@ from service.ranks.runners.tc_piecewise.pieces import PieceGraph
 from service.ranks.runners.tc_piecewise.shared import CaptureState, SharedBuffers
 from service.ranks.runners.tc_piecewise.split import (
     call_attention_directly,
+    call_modules_directly,
     is_attention_piece,
     piece_signature,
     run_into,
@@ -75,6 +76,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
         self._split: fx.GraphModule | None = None
         self._split_args: dict[int, tuple] = {}  # bucket -> the split graph's arguments
         self._pieces: list[PieceGraph] = []
+        self._attention_outputs: dict[tuple, torch.Tensor] = {}  # see _attention_output
 
     @property
     def piece_compiles(self) -> int:
@@ -125,6 +127,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
                 self._pieces.append(piece)
                 pieces += 1
             self.num_pieces = pieces
+            call_modules_directly(split)
             self._split = split
 
             def run(*args: Any) -> Any:
@@ -192,8 +195,13 @@ class TcPiecewiseGraphRunner(GraphRunner):
         """Where attention writes: a shared buffer per variant and layer parity, so the next
         piece reads it in place (a static input, never copied) and a layer's output is not
         overwritten before the piece after it has run."""
-        role = f"attn{key.layer_id % 2}_{key.variant}"
-        return self.state.buffers.get(role, 0, q.shape[0], tuple(q.shape[1:]), q.dtype)
+        sig = (key.layer_id % 2, key.variant, q.shape, q.dtype)
+        out = self._attention_outputs.get(sig)
+        if out is None:  # made once per shape: this runs between every two pieces
+            role = f"attn{key.layer_id % 2}_{key.variant}"
+            out = self.state.buffers.get(role, 0, q.shape[0], tuple(q.shape[1:]), q.dtype)
+            self._attention_outputs[sig] = out
+        return out
 
 
 def _as_tuple(out: Any) -> tuple:
