@@ -106,7 +106,7 @@ def test_eager_paths_match_torch(model_dir, path, mode, prefix, extend, monkeypa
         rand(spec.num_kv_heads * spec.head_dim),
     )
     runs = []  # calls through FlashInfer's Python run, per wrapper
-    for w in {**fi._ragged, **fi._paged, **fi._decode}.values():
+    for w in (*fi._ragged.values(), *fi._paged.values(), *fi._decode.values()):
         monkeypatch.setattr(w, "run", lambda *a, _run=w.run, **kw: runs.append(1) or _run(*a, **kw))
     with torch.inference_mode():
         bound = fi.bind(batch)
