@@ -44,7 +44,7 @@ model_dir() {  # Qwen2.5-1.5B shapes from config.json alone (random bf16 weights
 for what in "$@"; do
   case $what in
     tests)
-      step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu -x --deselect \
+      step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu --deselect \
         "tests/test_api.py::test_seed_scenario_on_cuda[breakable]" \
         tests/test_kernels.py tests/test_honest_replay.py tests/test_decode_graphs.py \
         tests/test_flashinfer.py tests/test_graph_runners.py tests/test_api.py tests/test_deepseek.py ;;

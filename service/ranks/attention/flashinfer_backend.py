@@ -7,12 +7,17 @@ one plan per forward, in :meth:`bind`, then one kernel per layer.
 - prefill on top of a prefix (chunked prefill): the paged wrapper over the pool;
 - decode: the decode wrapper (tensor-core kernels, which serve any GQA group size).
 
-CUDA graph (:class:`FlashInferGraphAttention`, the ``full`` backend): one paged wrapper per
-captured bucket in FlashInfer's CUDA-graph mode. The request axis is fixed at S slots and the
-query rows at the bucket; :meth:`prepare` plans on the host outside the graph, writing the live
-layout into buffers whose addresses the graph holds, before capture and before every replay.
-Buckets share those buffers and one int workspace: only one graph replays at a time and each
-replay is preceded by its own plan.
+CUDA graph (:class:`FlashInferGraphAttention`, the ``full`` backend): per captured bucket, two
+wrappers in FlashInfer's CUDA-graph mode, one per graph variant: ragged (batches without a cached
+prefix, the kernel eager prefill uses) and paged (batches on a prefix). The request axis is fixed
+at S slots and the query rows at the bucket; :meth:`prepare` plans on the host outside the graph,
+writing the live layout into buffers whose addresses the graph holds, before capture and before
+every replay. Buckets and variants share those buffers and one int workspace: only one graph
+replays at a time and each replay is preceded by its own plan.
+
+Eager launches: a segment runner calls attention once per layer over the same views; after the
+first layer of a forward the kernel call FlashInfer's ``run`` made is made directly
+(:func:`recorded_launch`).
 
 Padded query rows (past the real tokens) get zeros: the kernels write only planned rows, and a
 graph's memory pool would otherwise hand them stale values.
