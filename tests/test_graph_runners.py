@@ -236,11 +236,18 @@ def test_tc_piecewise_compiles_each_distinct_piece_once():
         for b in (256, 64, 32):
             runner.capture_bucket(b)
         assert runner.num_pieces == 5 and runner.piece_compiles == 3
+        # replays call the pieces as plain functions, not through nn.Module dispatch: a hook on
+        # a piece (fired only by a module call) must never run
+        fired = []
+        for piece in runner.pieces:
+            piece.register_forward_pre_hook(lambda *a: fired.append(1))
+        assert not any(n.op == "call_module" for n in runner._split.graph.nodes)
         batch = live_batch(w, (100, 90))
         got = runner.run(batch, decide_replay(plan, 190, 2))
         want = w.eager_runner.run(batch, decide_replay(plan, 190, 2))
     assert runner.piece_compiles == 3  # replaying never recompiles
     assert (got - want).abs().max().item() < 1e-5
+    assert fired == [] and all(piece.captured[256][1].replays == 1 for piece in runner.pieces)
 
 
 def test_tc_piecewise_stores_kv_inside_the_pieces(monkeypatch):
