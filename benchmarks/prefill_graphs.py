@@ -107,20 +107,7 @@ def timed(fn, device: torch.device, iters: int) -> float:
     """Median milliseconds of ``fn`` (CUDA events on GPU, wall clock on CPU)."""
     for _ in range(3):
         fn()
-    samples = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(_one(fn, device) for _ in range(iters))
 
 
 def paired(
@@ -160,6 +147,16 @@ def _one(fn, device: torch.device) -> float:
 
 def kernel_times(fn) -> dict[str, tuple[float, float]]:
     """{kernel name: (launches per call, device microseconds per call)} over three calls."""
+    out: dict[str, list[float]] = {}
+    for e in device_events(fn):
+        got = out.setdefault(e.name, [0.0, 0.0])
+        got[0] += 1 / 3
+        got[1] += e.device_time / 3
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def device_events(fn) -> list:
+    """The profiler's device events (kernels, copies, memsets) of three calls of ``fn``."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -169,13 +166,7 @@ def kernel_times(fn) -> dict[str, tuple[float, float]]:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-    out: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            got = out.setdefault(e.name, [0.0, 0.0])
-            got[0] += 1 / 3
-            got[1] += e.device_time / 3
-    return {k: (v[0], v[1]) for k, v in out.items()}
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def kernel_diff(title: str, eager: dict, graph: dict, rows: int = 14) -> None:
@@ -199,16 +190,7 @@ def device_profile(fn) -> tuple[float, float]:
     device is busy per call: the sum of its kernels', copies' and memsets' durations), from the
     profiler over three calls. Busy time against the CUDA-event time says how much of a call the
     device spends waiting for the host."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    fn()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device = device_events(fn)
     kernels = [e for e in device
                if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]  # fmt: skip
     busy_us = sum(e.device_time for e in device)
