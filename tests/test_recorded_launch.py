@@ -17,8 +17,8 @@ class Module:
     def __init__(self) -> None:
         self.launches: list[tuple] = []
 
-    def ragged_run(self, *args: object) -> None:
-        self.launches.append(args)
+    def ragged_run(self, *args: object, **kwargs: object) -> None:
+        self.launches.append((*args, kwargs) if kwargs else args)
 
 
 class Wrapper:
@@ -74,3 +74,13 @@ def test_a_wrapper_without_a_compiled_module_just_runs():
     w = type("W", (), {"_cached_module": None})()
     assert recorded_launch(w, lambda: calls.append(1)) is None
     assert calls == [1]
+
+
+def test_keyword_arguments_are_recorded_and_passed_again():
+    module = Module()
+    w = Wrapper(module)
+    w.run = lambda: w._cached_module.ragged_run("workspace", enable_pdl=True)
+    direct = recorded_launch(w, w.run)
+    assert direct is not None
+    direct()
+    assert module.launches == [("workspace", {"enable_pdl": True})] * 2

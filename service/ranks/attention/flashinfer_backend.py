@@ -181,6 +181,8 @@ class FlashInferAttention(FlashInferBase):
             wrapper, args, res_real, result, direct = got
             if direct is not None:  # the kernel call FlashInfer's run made for these views
                 direct()
+            elif out is None:  # a fresh output: this launcher is used once, nothing to record
+                wrapper.run(*args, out=res_real)
             else:
                 got[4] = recorded_launch(wrapper, lambda: wrapper.run(*args, out=res_real))
             return result
@@ -222,16 +224,16 @@ class _Recorder:
 
     def __init__(self, module: Any) -> None:
         self.module = module
-        self.calls: list[tuple[str, tuple]] = []
+        self.calls: list[tuple[str, tuple, dict[str, Any]]] = []
 
     def __getattr__(self, name: str) -> Any:
         got = getattr(self.module, name)
         if not callable(got):
             return got
 
-        def call(*args: Any) -> Any:
-            self.calls.append((name, args))
-            return got(*args)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, args, kwargs))
+            return got(*args, **kwargs)
 
         return call
 
@@ -259,8 +261,8 @@ def recorded_launch(wrapper: Any, run: Callable[[], Any]) -> Callable[[], Any] |
         wrapper._cached_module = module
     if len(recorder.calls) != 1:
         return None
-    name, args = recorder.calls[0]
-    return functools.partial(getattr(module, name), *args)
+    name, args, kwargs = recorder.calls[0]
+    return functools.partial(getattr(module, name), *args, **kwargs)
 
 
 def host_lengths(pl: PagedLayout) -> dict[str, Any]:
