@@ -278,9 +278,10 @@ def device_rates(device: torch.device, clocks: ClockSampler) -> dict:
 
     The matmul rate twice: ``burst`` (10 products from an idle GPU, the way a short benchmark
     sees it) and ``sustained`` (after a second of back-to-back products, at the clocks the
-    board's power limit settles to, which is where a forward of thousands of tokens runs). The
-    floor uses the sustained rate: a floor the GPU cannot hold for the length of a forward
-    is not a floor."""
+    board's power limit settles to, which is where a forward of thousands of tokens runs).
+    ``floor_ms`` (the table's ratios) uses the sustained rate and ``floor_burst_ms`` the burst
+    rate; which one a bucket is held to depends on the clock it ran at (the ``*_mhz`` fields):
+    a bucket that runs at full clocks, as the small ones do, is held to the burst floor."""
     if device.type != "cuda":
         return {"copy": 0.0, "matmul": 0.0}
     a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
