@@ -8,7 +8,8 @@
 #                                                      # deepseek (V2-Lite shapes; no FlashInfer
 #                                                      # needed: warm-up skipped with NO_WARMUP=1),
 #                                                      # serve-si (SI=seconds: switch interval),
-#                                                      # gemm (linear layers alone)
+#                                                      # gemm (linear layers alone),
+#                                                      # launch (graph launch cost)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 # Every log and result goes to $RES and is packed into $OUT/results.tgz after each step: the
@@ -111,12 +112,15 @@ for what in "$@"; do
       # BUCKETS: a subset of the default buckets; COUNT: buckets with kernel counts, device
       # busy and host issue times; PROFILE / HOSTPROF: the bucket whose kernels / host
       # functions are printed; HF: token counts for HF transformers compiled; KDIFF: the bucket
-      # whose kernels are compared eager against graph, one by one
+      # whose kernels are compared eager against graph, one by one; TIMELINE: buckets whose
+      # calls are placed on the profiler's clock (host work before the device starts, launch)
       TAIL=40 step prefill 560 python3 benchmarks/prefill_graphs.py --iters 20 \
         ${BUCKETS:+--buckets $BUCKETS} --kernel-count-buckets "${COUNT:-16,256,2048,8192}" \
         --profile "${PROFILE:-256}" ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
-        ${KDIFF:+--kernel-diff $KDIFF} \
+        ${KDIFF:+--kernel-diff $KDIFF} ${TIMELINE:+--timeline $TIMELINE} \
         --out "$RES/prefill.json" ;;
+    launch)  # what a graph launch costs the host, and when the device starts it
+      TAIL=20 step graph_launch 120 python3 benchmarks/graph_launch.py --out "$RES/graph_launch.json" ;;
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
       TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;
   esac

@@ -33,6 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_clocks import ClockSampler
+from benchmarks.timeline import HEADER as TIMELINE_HEADER
+from benchmarks.timeline import Timeline, timeline
+from benchmarks.timeline import row as timeline_row
 from service.buckets import ResolvedRequestPool, decide_replay, partition_bucket
 from service.capture_result import CaptureStat
 from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
@@ -372,6 +375,12 @@ def main() -> int:
     ap.add_argument(
         "--kernel-diff", type=int, default=None, help="per-kernel eager vs graph at this bucket"
     )
+    ap.add_argument(
+        "--timeline",
+        default="",
+        help="buckets whose calls are placed on the profiler's clock (host work before the "
+        "first device op, graph launch, device idle)",
+    )
     ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--flashinfer-kernel", choices=("auto", "fa2", "fa3"), default="auto")
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
@@ -405,6 +414,7 @@ def main() -> int:
     worker = None
     cuda = torch.cuda.is_available()
     count_buckets = {int(b) for b in args.kernel_count_buckets.split(",") if b.strip()}
+    timeline_buckets = {int(b) for b in args.timeline.split(",") if b.strip()}
     clocks = ClockSampler().start() if cuda else ClockSampler()
     with torch.inference_mode():
         for backend in args.backends.split(","):
@@ -471,6 +481,8 @@ def main() -> int:
                     if cuda and b in count_buckets:
                         row["eager_kernels"], row["eager_busy_ms"] = device_profile(eager_step)
                         row["eager_host_ms"] = host_ms(eager_step, args.iters)
+                    if cuda and b in timeline_buckets:
+                        row["eager_timeline"] = timeline(eager_step).to_json()
                 # graph and eager timed alternately, with the SM clock each ran at
                 both = paired(
                     {"eager": eager_step, backend: graph_step}, worker.device, args.iters, clocks
@@ -486,6 +498,8 @@ def main() -> int:
                         graph_step
                     )
                     row[f"{backend}_host_ms"] = host_ms(graph_step, args.iters)
+                if cuda and b in timeline_buckets:
+                    row[f"{backend}_timeline"] = timeline(graph_step).to_json()
                 if b == args.profile:
                     profile(f"{backend} bucket {b}", graph_step)
                     if f"eager_profiled_{b}" not in row:
@@ -556,6 +570,14 @@ def main() -> int:
             else:
                 cells += f" {'-':>22}"
         print(f"{b:>6}" + cells)
+    if timeline_buckets:
+        print("one call on the profiler's clock, us from its start (medians of 5 profiled calls)")
+        print(f"{'bucket':>6} {'runner':>12} {TIMELINE_HEADER}")
+        for b in sorted(rows):
+            for be in ["eager", *backends]:
+                if f"{be}_timeline" in rows[b]:
+                    t = Timeline(**rows[b][f"{be}_timeline"])
+                    print(f"{b:>6} {be[:12]:>12} {timeline_row(t)}")
     for be, c in captures.items():
         print(
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "

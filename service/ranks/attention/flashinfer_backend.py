@@ -20,7 +20,8 @@ first layer of a forward the kernel call FlashInfer's ``run`` made is made direc
 (:func:`recorded_launch`).
 
 Padded query rows (past the real tokens) get zeros: the kernels write only planned rows, and a
-graph's memory pool would otherwise hand them stale values.
+graph's memory pool would otherwise hand them stale values. A graph's layers share one output
+buffer, zeroed once per replay.
 """
 
 from __future__ import annotations
@@ -398,14 +399,21 @@ class FlashInferGraphAttention(FlashInferBase):
 
     def bind_variant(self, batch: ForwardBatch, variant: str) -> BoundAttention:
         bucket = batch.input_ids.shape[0]
+        # One output per head shape for the whole forward, zeroed once (in a graph: once per
+        # replay), not once per layer: the kernels write the planned (live) rows only, so the
+        # padded rows stay 0 through every layer, and each layer's output is consumed by its
+        # o_proj before the next layer's attention overwrites the live rows.
+        shared: dict[tuple[int, ...], torch.Tensor] = {}
 
         def attend(q, k, v, key, out):
             spec, q3 = self.heads(q, key)
             wrapper = self._wrappers.get((bucket, self.shapes[key], variant))
             if wrapper is None:
                 raise RuntimeError(f"bucket {bucket} was not prepared before its graph ran")
-            # the kernels write the planned (live) rows only: padded rows stay 0
-            res = torch.zeros_like(q3) if out is None else out.view(q3.shape).zero_()
+            if out is not None:
+                res = out.view(q3.shape).zero_()
+            elif (res := shared.get(q3.shape)) is None:
+                res = shared[q3.shape] = torch.zeros_like(q3)
             if variant == "ragged":  # strided k/v (columns of one qkv tensor), read in place
                 t, h, d = k.shape[0], spec.num_kv_heads, spec.head_dim
                 wrapper.run(q3, k.view(t, h, d), v.view(t, h, d), out=res)

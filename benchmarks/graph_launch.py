@@ -1,0 +1,131 @@
+"""What a CUDA graph launch costs on the host, and when the device starts it, against node count.
+
+A prefill replay of ``full`` is one graph of about 320-350 kernel nodes; at small buckets the
+device waits for the host's work before it (the attention plan, the input copies) and for the
+launch itself. This probe separates the launch: graphs of N tiny elementwise kernels (about
+2 us of device time each), and of N small GEMMs (cuBLAS, launched with extended attributes, as
+the model's linear layers are), timed on the host and placed on the profiler's clock; and the
+same N kernels as two graphs, a short one launched first so the device starts while the host
+launches the rest.
+
+    python benchmarks/graph_launch.py --out graph_launch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.timeline import HEADER, row, timeline
+
+
+def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()  # warm-up: cuBLAS picks and loads its kernels outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    torch.cuda.synchronize()
+    return g
+
+
+def host_us(fn: Callable[[], None], iters: int = 50) -> float:
+    """Median host microseconds of one call from an idle device."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def event_us(fn: Callable[[], None], iters: int = 50) -> float:
+    """Median microseconds from an event recorded before the call to one after it."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", default="32,128,345,1024")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    x = torch.zeros(1024, device="cuda")
+    a = torch.randn(16, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1536, 1536, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(16, 1536, device="cuda", dtype=torch.bfloat16)
+
+    def adds(n: int) -> Callable[[], None]:
+        def body() -> None:
+            for _ in range(n):
+                x.add_(1)
+
+        return body
+
+    def gemms(n: int) -> Callable[[], None]:
+        def body() -> None:
+            for _ in range(n):
+                torch.mm(a, w.t(), out=out)
+
+        return body
+
+    results = []
+    print(f"{'graph':>22} {'host us':>8} {'event us':>9}  {HEADER}")
+    for n in [int(v) for v in args.nodes.split(",")]:
+        cases: dict[str, Callable[[], None]] = {}
+        g = capture(adds(n))
+        cases[f"{n} adds"] = g.replay
+        head, rest = capture(adds(12)), capture(adds(n - 12))
+
+        def split(head=head, rest=rest) -> None:  # the device starts on 12 while the rest launches
+            head.replay()
+            rest.replay()
+
+        cases[f"{n} adds as 12 + {n - 12}"] = split
+        if n <= 345:
+            cases[f"{n} gemms"] = capture(gemms(n)).replay
+        for name, fn in cases.items():
+            fn()
+            t = timeline(fn)
+            r = {"graph": name, "host_us": host_us(fn), "event_us": event_us(fn), **t.to_json()}
+            results.append(r)
+            print(f"{name:>22} {r['host_us']:>8.0f} {r['event_us']:>9.0f}  {row(t)}", flush=True)
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "rows": results,
+                    "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name(),
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

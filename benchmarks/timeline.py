@@ -1,0 +1,113 @@
+"""Where one call's time goes, host and device on one clock (the profiler's CPU and CUDA
+activities): how long the host works before the device gets its first op, how long a graph
+launch takes on the host, how late the first kernel of a launched graph starts, and how much
+of the call the device sits idle.
+
+Used by ``prefill_graphs.py --timeline`` and ``graph_launch.py``. Times are from profiled calls,
+so host times include the profiler's own overhead per recorded op (a few microseconds each);
+compare backends within one run, not these against unprofiled event timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+STEP = "timeline_step"
+GRAPH_LAUNCH = "cudaGraphLaunch"
+LAUNCHES = (GRAPH_LAUNCH, "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+            "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Microseconds from the start of the call (medians over the profiled calls)."""
+
+    host_us: float  # the call's host time, start to return
+    first_launch_us: float  # the first launch call (kernel, copy, memset or graph) starts
+    graph_launch_start_us: float  # the first graph launch starts (nan: none)
+    graph_launch_us: float  # that launch call's host duration (nan: none)
+    graph_first_op_lag_us: float  # its launch start -> the first device op after it starts
+    first_op_us: float  # the first device op starts
+    device_end_us: float  # the last device op ends
+    busy_us: float  # device op durations summed
+    idle_us: float  # first op -> last op end, minus busy: the device waiting inside the call
+    graph_launches: float  # graph launches per call
+
+    def to_json(self) -> dict:
+        return {k: round(v, 1) for k, v in asdict(self).items()}
+
+
+def timeline(fn: Callable[[], object], calls: int = 5) -> Timeline:
+    """Profile ``calls`` calls of ``fn``, each from an idle device, and place each call's host
+    launches and device ops on the profiler's clock."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with record_function(STEP):
+                fn()
+            torch.cuda.synchronize()
+    return summarize(prof.events())
+
+
+def summarize(events: list) -> Timeline:
+    cuda = torch.autograd.DeviceType.CUDA
+    steps = sorted((e for e in events if e.name == STEP and e.device_type != cuda),
+                   key=lambda e: e.time_range.start)  # fmt: skip
+    device = sorted((e for e in events if e.device_type == cuda and e.name != STEP),
+                    key=lambda e: e.time_range.start)  # fmt: skip
+    launches = sorted((e for e in events if e.name in LAUNCHES and e.device_type != cuda),
+                      key=lambda e: e.time_range.start)  # fmt: skip
+    rows: list[dict[str, float]] = []
+    for i, step in enumerate(steps):
+        t0 = step.time_range.start
+        # a call's device ops start before the next call does (calls are synchronized)
+        t1 = steps[i + 1].time_range.start if i + 1 < len(steps) else float("inf")
+        ops = [d for d in device if t0 <= d.time_range.start < t1]
+        mine = [c for c in launches if t0 <= c.time_range.start <= step.time_range.end]
+        graphs = [c for c in mine if c.name == GRAPH_LAUNCH]
+        if not ops:
+            continue
+        first_op = ops[0].time_range.start
+        end = max(d.time_range.end for d in ops)
+        busy = sum(d.time_range.end - d.time_range.start for d in ops)
+        nan = float("nan")
+        g = graphs[0] if graphs else None
+        after = [d for d in ops if g is not None and d.time_range.start >= g.time_range.start]
+        rows.append({
+            "host_us": step.time_range.end - t0,
+            "first_launch_us": (mine[0].time_range.start - t0) if mine else nan,
+            "graph_launch_start_us": (g.time_range.start - t0) if g else nan,
+            "graph_launch_us": (g.time_range.end - g.time_range.start) if g else nan,
+            "graph_first_op_lag_us": (after[0].time_range.start - g.time_range.start)
+            if g and after else nan,
+            "first_op_us": first_op - t0,
+            "device_end_us": end - t0,
+            "busy_us": busy,
+            "idle_us": (end - first_op) - busy,
+            "graph_launches": float(len(graphs)),
+        })  # fmt: skip
+    if not rows:
+        raise RuntimeError("the profiler recorded no device ops inside the timed calls")
+    return Timeline(**{k: statistics.median(r[k] for r in rows) for k in rows[0]})
+
+
+HEADER = (f"{'host':>7} {'1st launch':>10} {'graph at':>8} {'launch':>7} {'lag':>6} "
+          f"{'1st op':>7} {'dev end':>8} {'busy':>7} {'idle':>7} {'graphs':>6}")  # fmt: skip
+
+
+def row(t: Timeline) -> str:
+    def f(v: float, w: int) -> str:
+        return f"{'-':>{w}}" if v != v else f"{v:>{w}.0f}"  # nan: no graph launch
+
+    return " ".join((f(t.host_us, 7), f(t.first_launch_us, 10), f(t.graph_launch_start_us, 8),
+                     f(t.graph_launch_us, 7), f(t.graph_first_op_lag_us, 6), f(t.first_op_us, 7),
+                     f(t.device_end_us, 8), f(t.busy_us, 7), f(t.idle_us, 7),
+                     f(t.graph_launches, 6)))  # fmt: skip
