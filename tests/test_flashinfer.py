@@ -168,12 +168,16 @@ def test_graph_runners_match_eager(model_dir, eager_engine, backend):
     fresh = BatchLayout(ForwardMode.EXTEND, (0,), (0,), (1,))
     on_prefix = BatchLayout(ForwardMode.EXTEND, (0,), (1,), (1,))
 
-    def replays(layout: BatchLayout) -> int:  # `full`: the graphs of one attention variant
-        return sum(c.replays for b in runner.captured_buckets()
-                   for c in runner.replayed_calls(b, layout))  # fmt: skip
+    def replays(layout: BatchLayout) -> int:  # `full`: the chains of one attention variant
+        chains = [runner.replayed_calls(b, layout) for b in runner.captured_buckets()]
+        assert all(len({c.replays for c in chain}) == 1 for chain in chains)  # whole chains
+        return sum(chain[0].replays for chain in chains)
 
     if backend == "full":  # fresh batches replay the ragged graphs, the rest the paged ones
         assert replays(fresh) > 0 and replays(on_prefix) == on_prefix_batches, seed
+        # and the ragged graphs were planned through FlashInfer's module call alone
+        replans = g.executor.worker.setup.graph_attention._replans.values()
+        assert any(r.fast for r in replans)
     # 2,000 tokens over a 1,024-token chunk: the third prompt is split, and its second chunk
     # attends a cached prefix (the paged path; inside the graph for `full`)
     prompts = [[rng.randrange(384) for _ in range(500)] for _ in range(4)]
@@ -213,3 +217,45 @@ def test_decode_graphs_match_eager_decode(model_dir):
         assert rel_err(gr.logits, er.logits) < REL_TOL, seed
         compared += 1
     assert compared >= 3, seed
+
+
+def test_fast_ragged_replan_writes_what_flashinfer_plan_writes():
+    """``full``'s replan of a CUDA-graph ragged wrapper (FlashInfer's module call alone, after
+    the first plan) leaves the same indptrs, plan info and scheduled work in the buffers the
+    graph reads as FlashInfer's own ``plan`` of the same layout does."""
+    import flashinfer
+    import numpy as np
+
+    from service.ranks.attention.flashinfer_backend import GraphPlanBuffers
+    from service.ranks.attention.flashinfer_replan import RaggedReplan
+    from service.ranks.attention.paged_layout import indptr
+
+    slots, dev = 4, torch.device("cuda")
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    bufs = GraphPlanBuffers.allocate(slots, CTX, dev)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs.qo_indptr, kv_indptr_buf=bufs.kv_indptr
+    )
+    w.reset_workspace_buffer(ws, bufs.int_workspace)
+
+    def plan(qo: torch.Tensor) -> None:
+        w.plan(qo, qo, 12, 2, 128, causal=True, sm_scale=128**-0.5,
+               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+
+    replan = RaggedReplan(w, bufs.indptrs, plan)
+    replan(np.array([CTX, CTX, 0, 0]))  # the capture layout: the bucket's rows
+    rng = random.Random(0)
+    for _ in range(6):
+        k = rng.randint(1, slots)
+        lens = [rng.randint(1, CTX // 2) for _ in range(k)] + [0] * (slots - k)
+        replan(np.array(lens))
+        assert replan.fast
+        torch.cuda.synchronize()
+        fast = (bufs.indptrs.clone(), bufs.int_workspace.clone(), list(w._plan_info))
+        bufs.indptrs.zero_()
+        bufs.int_workspace.zero_()
+        plan(indptr(lens, pin=True))  # FlashInfer's own plan of the same layout
+        torch.cuda.synchronize()
+        assert torch.equal(fast[0], bufs.indptrs)
+        assert fast[2] == list(w._plan_info)
+        assert torch.equal(fast[1], bufs.int_workspace), lens

@@ -279,11 +279,11 @@ def test_tc_piecewise_stores_kv_inside_the_pieces(monkeypatch):
 
 def test_full_captures_each_attention_variant_and_replays_the_one_a_layout_selects():
     """A graph attention with variants (FlashInfer's: ragged without a cached prefix, paged on
-    one) gets a graph per bucket and variant: a fresh batch replays the first graph only, a
-    batch on a cached prefix the second only, and both equal eager."""
+    one) gets a chain of graphs per bucket and variant: a fresh batch replays the first chain
+    only, a batch on a cached prefix the second only, and both equal eager."""
     from service.ranks.attention.torch_slots import TorchSlotAttention
     from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
-    from service.ranks.runners.full import FullGraphRunner
+    from service.ranks.runners.full import FullGraphRunner, launch_spans
 
     class TwoVariants(TorchSlotAttention):
         graph_variants = ("fresh", "on_prefix")
@@ -306,7 +306,15 @@ def test_full_captures_each_attention_variant_and_replays_the_one_a_layout_selec
     with torch.inference_mode():
         runner.capture_bucket(64)
         assert ga.prepared == ["fresh", "on_prefix"]
-        fresh, on_prefix = runner.captured_calls(64)
+        spans = len(launch_spans(len(w.model.layers)))
+        calls = runner.captured_calls(64)
+        assert len(calls) == 2 * spans  # a chain per variant, a graph per span
+        fresh, on_prefix = calls[:spans], calls[spans:]
+
+        def replays(chain):  # every graph of a chain replays with it
+            assert len({c.replays for c in chain}) == 1
+            return chain[0].replays
+
         slots = list(range(1, 61))
         w.req_to_token.write(0, 0, slots[:40])
         w.req_to_token.write(1, 0, slots[40:])
@@ -318,8 +326,8 @@ def test_full_captures_each_attention_variant_and_replays_the_one_a_layout_selec
         decision = decide_replay(plan, 50, 2)
         got = runner.run(first, decision).clone()
         want = w.eager_runner.run(first, decision)
-        assert (fresh.replays, on_prefix.replays) == (1, 0)
-        assert runner.replayed_calls(64, first.layout) == [fresh]
+        assert (replays(fresh), replays(on_prefix)) == (1, 0)
+        assert runner.replayed_calls(64, first.layout) == fresh
         assert (got - want).abs().max().item() < 1e-5
         # the next chunk of request 0 on its 30 cached tokens
         chunk = ForwardBatch.build(
@@ -329,5 +337,23 @@ def test_full_captures_each_attention_variant_and_replays_the_one_a_layout_selec
         decision = decide_replay(plan, 10, 1)
         got = runner.run(chunk, decision).clone()
         want = w.eager_runner.run(chunk, decision)
-        assert (fresh.replays, on_prefix.replays) == (1, 1)
+        assert (replays(fresh), replays(on_prefix)) == (1, 1)
         assert (got - want).abs().max().item() < 1e-5
+
+
+def test_full_launches_a_forward_as_a_chain_that_starts_with_one_layer():
+    """The device starts a graph only when its launch returns (about a microsecond per node):
+    ``full``'s first graph holds one layer, and each next at most twice the layers of the one
+    before, so the host launches it while the device runs the earlier ones."""
+    import itertools
+
+    from service.ranks.runners.full import launch_spans
+
+    for n in range(1, 130):
+        spans = launch_spans(n)
+        assert spans[0] == (0, 1) and spans[-1][1] == n
+        assert all(a == b for (_, a), (b, _) in itertools.pairwise(spans))  # contiguous, in order
+        sizes = [b - a for a, b in spans]
+        assert all(0 < s <= 2 * p for p, s in itertools.pairwise(sizes))
+        assert len(spans) <= n.bit_length()  # a handful of launches, not one per layer
+    assert launch_spans(28) == ((0, 1), (1, 3), (3, 7), (7, 15), (15, 28))

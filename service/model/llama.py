@@ -302,12 +302,35 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, H). The segments and
         :meth:`attend` run end to end: the same code a segment runner captures piecewise."""
-        residual, *inputs = self.first_segment(input_ids, positions, attention)
-        for i in range(1, len(self.layers)):
-            out = self.attend(i - 1, tuple(inputs), attention)
-            residual, *inputs = self.middle_segment(i, residual, out, positions, attention)
-        out = self.attend(len(self.layers) - 1, tuple(inputs), attention)
-        return self.last_segment(residual, out, attention.decode)
+        state = self.first_segment(input_ids, positions, attention)
+        hidden = self.forward_span(0, len(self.layers), state, positions, attention)
+        if not isinstance(hidden, torch.Tensor):  # a span to the last layer ends the forward
+            raise RuntimeError("forward_span over every layer returned a state, not hidden states")
+        return hidden
+
+    def forward_span(
+        self,
+        start: int,
+        stop: int,
+        state: tuple[torch.Tensor, ...],
+        positions: torch.Tensor,
+        attention: BoundAttention,
+        qkv_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """Layers [start, stop) from ``state``: the residual (T, H) and layer ``start``'s
+        attention inputs, as :meth:`first_segment` and :meth:`middle_segment` return them.
+        Returns the state layer ``stop`` starts from (its attention inputs written into
+        ``qkv_out`` when given), or the final hidden states (T, H) when ``stop`` is the last
+        layer. ``full`` captures a forward as a chain of spans."""
+        residual, *inputs = state
+        for i in range(start, stop):
+            out = self.attend(i, tuple(inputs), attention)
+            if i + 1 == len(self.layers):
+                return self.last_segment(residual, out, attention.decode)
+            into = qkv_out if i + 1 == stop else None  # the state handed to the next span
+            residual, *inputs = self.middle_segment(i + 1, residual, out, positions, attention,
+                                                    qkv_out=into)  # fmt: skip
+        return (residual, *inputs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Selected hidden states (N, H) -> logits (N, V) in float32."""

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from service.model.attention import (
@@ -40,6 +41,7 @@ from service.model.attention import (
     BoundAttention,
 )
 from service.ranks.attention.base import Bound, PlannedAttention, output_buffer
+from service.ranks.attention.flashinfer_replan import RaggedReplan
 from service.ranks.attention.paged_layout import PagedLayout, indptr, paged_layout
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
@@ -280,6 +282,7 @@ def host_lengths(pl: PagedLayout) -> dict[str, Any]:
 class GraphPlanBuffers:
     """Device buffers the captured kernels read their layout from (shared by all buckets)."""
 
+    indptrs: torch.Tensor  # (2, S+1) int32: the rows below, filled by one copy per plan
     qo_indptr: torch.Tensor  # (S+1,) int32
     kv_indptr: torch.Tensor  # (S+1,) int32
     kv_indices: torch.Tensor  # (S*context_length + S,) int32
@@ -291,9 +294,11 @@ class GraphPlanBuffers:
         def z(n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, device=device)
 
+        indptrs = z(2 * (num_slots + 1)).view(2, num_slots + 1)
         return GraphPlanBuffers(
-            qo_indptr=z(num_slots + 1),
-            kv_indptr=z(num_slots + 1),
+            indptrs=indptrs,
+            qo_indptr=indptrs[0],
+            kv_indptr=indptrs[1],
             kv_indices=z(num_slots * context_length + num_slots),
             kv_last_page_len=z(num_slots),
             int_workspace=z(INT_WORKSPACE_BYTES, torch.uint8),
@@ -328,6 +333,7 @@ class FlashInferGraphAttention(FlashInferBase):
         super().__init__(*args, **kwargs)
         self._buffers: GraphPlanBuffers | None = None
         self._wrappers: dict[tuple[int, HeadShape, str], Any] = {}
+        self._replans: dict[tuple[int, HeadShape], RaggedReplan] = {}
 
     def graph_variant(self, layout: BatchLayout) -> str:
         return "paged" if any(layout.prefix_lens) else "ragged"
@@ -367,24 +373,41 @@ class FlashInferGraphAttention(FlashInferBase):
     def forget(self, bucket: int) -> None:
         for key in [k for k in self._wrappers if k[0] == bucket]:
             del self._wrappers[key]
+        for key in [k for k in self._replans if k[0] == bucket]:
+            del self._replans[key]
+
+    def _replan(self, bucket: int, shape: HeadShape, bufs: GraphPlanBuffers) -> RaggedReplan:
+        key = (bucket, shape)
+        got = self._replans.get(key)
+        if got is None:
+            wrapper = self._wrapper(bucket, shape, "ragged", bufs)
+            dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
+
+            def plan(qo: torch.Tensor) -> None:  # K/V ranges are the query ranges
+                wrapper.plan(
+                    qo, qo, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                    causal=True, sm_scale=shape.scale, **dtypes,
+                )  # fmt: skip
+
+            got = self._replans[key] = RaggedReplan(wrapper, bufs.indptrs, plan)
+        return got
 
     def prepare(self, batch: ForwardBatch, bucket: int, variant: str = "paged") -> None:
         num_slots = batch.req_pool_indices.shape[0]
         bufs = self._buffers_for(num_slots)
-        live = live_layout(batch.layout)
-        dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
+        layout = batch.layout
         if variant == "ragged":
-            if any(live.prefix_lens):
+            if any(layout.prefix_lens):
                 raise ValueError("the ragged graph serves batches without a cached prefix")
-            # sentinel requests: no query rows and no K/V, so they generate no work
-            lens = (*live.extend_lens, *(0,) * (num_slots - live.num_requests))
-            qo = indptr(lens, self.pin)
+            # sentinel requests (zero lengths, listed by a capture batch or padded here): no
+            # query rows and no K/V, so they generate no work
+            lens = np.zeros(num_slots, dtype=np.int64)
+            lens[: layout.num_requests] = layout.extend_lens
             for shape in self.head_shapes:
-                self._wrapper(bucket, shape, variant, bufs).plan(
-                    qo, qo, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                    causal=True, sm_scale=shape.scale, **dtypes,
-                )  # fmt: skip
+                self._replan(bucket, shape, bufs)(lens)
             return
+        live = live_layout(layout)
+        dtypes = {"q_data_type": self.dtype, "kv_data_type": self.dtype}
         pl = paged_layout(live, self.req_to_token.context_length, num_slots, self.pin)
         kv_indices = pl.kv_indices(self.req_to_token.table)
         for shape in self.head_shapes:

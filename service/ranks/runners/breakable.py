@@ -27,24 +27,14 @@ from service.model.attention import BoundAttention
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
+from service.ranks.runners.state_buffers import StateBuffers, place
 
 
 @dataclass(frozen=True)
 class SegmentBuffers:
-    residual: torch.Tensor  # (Tmax, H) the residual stream
-    qkv: torch.Tensor  # (Tmax, sum of widths) attention inputs (Llama: the qkv projection)
+    state: StateBuffers  # the residual and the attention inputs, between segments
     attn: torch.Tensor  # (Tmax, out width) attention output, written eagerly between segments
     hidden: torch.Tensor  # (Tmax, H) final hidden states
-    widths: tuple[int, ...]
-
-    def qkv_views(self, rows: int) -> tuple[torch.Tensor, ...]:
-        return tuple(self.qkv[:rows].split(list(self.widths), dim=-1))
-
-
-def place(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst`` holds ``src`` afterwards: nothing to do when a kernel already wrote it there."""
-    if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
-        dst.copy_(src)
 
 
 class BreakableGraphRunner(GraphRunner):
@@ -52,33 +42,30 @@ class BreakableGraphRunner(GraphRunner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        widths, out_width = self.model.attention_io()
+        _, out_width = self.model.attention_io()
         t, h = self.buffers.max_tokens, self.model.cfg.hidden_size
         dtype = self.model.embed_tokens.weight.dtype
 
         def z(width: int) -> torch.Tensor:
             return torch.zeros(t, width, dtype=dtype, device=self.device)
 
-        self.seg = SegmentBuffers(
-            residual=z(h), qkv=z(sum(widths)), attn=z(out_width), hidden=z(h), widths=widths
-        )
+        state = StateBuffers.allocate(self.model, t, self.device)
+        self.seg = SegmentBuffers(state=state, attn=z(out_width), hidden=z(h))
 
     def _segment_fns(self, bucket: int, attention: BoundAttention) -> list:
         s, m = self.seg, self.model
         ids, positions = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
-        residual, qkv, attn_out = s.residual[:bucket], s.qkv[:bucket], s.attn[:bucket]
-        views = s.qkv_views(bucket)
+        residual, qkv, attn_out = s.state.residual[:bucket], s.state.qkv[:bucket], s.attn[:bucket]
 
-        def keep(*outs: torch.Tensor) -> None:  # the residual, then the attention inputs
-            for dst, src in zip((residual, *views), outs, strict=True):
-                place(dst, src)
+        def keep(outs: tuple[torch.Tensor, ...]) -> None:  # the residual, the attention inputs
+            s.state.keep(bucket, outs)
 
         def first() -> None:
-            keep(*m.first_segment(ids, positions, attention, qkv_out=qkv))
+            keep(m.first_segment(ids, positions, attention, qkv_out=qkv))
 
         def middle(i: int):
             def run() -> None:
-                keep(*m.middle_segment(i, residual, attn_out, positions, attention, qkv_out=qkv))
+                keep(m.middle_segment(i, residual, attn_out, positions, attention, qkv_out=qkv))
 
             return run
 
@@ -101,7 +88,7 @@ class BreakableGraphRunner(GraphRunner):
         # the segments store K/V through the static buffers' out_cache_loc, so the captured
         # stores write where each replay's live tokens go
         fns = self._segment_fns(bucket, attention)
-        views, out = self.seg.qkv_views(bucket), self.seg.attn[:bucket]
+        views, out = self.seg.state.qkv_views(bucket), self.seg.attn[:bucket]
         captured = []
         for i, fn in enumerate(fns):
             if i > 0:  # attention of layer i-1 on the synthetic batch feeds segment i
@@ -120,7 +107,7 @@ class BreakableGraphRunner(GraphRunner):
         attention = self.eager_attention.bind(view)  # one plan per replay, not one per layer
         # the same buffer views serve every layer: made once per replay, so the host work
         # between two segment replays is the attention launch
-        views, out = self.seg.qkv_views(bucket), self.seg.attn[:bucket]
+        views, out = self.seg.state.qkv_views(bucket), self.seg.attn[:bucket]
         for i in range(1, len(captured)):
             self._attend(i - 1, attention, views, out)
             captured[i].replay()

@@ -1,11 +1,23 @@
-"""`full`: the whole forward, attention included, as one captured graph per bucket.
+"""`full`: the whole forward, attention included, captured per bucket as a short chain of graphs.
 
 The request axis is fixed at S slots at capture and at replay; slots without a request are
 zero-length sentinels. Attention must be graph-safe (fixed shapes, lengths read from device
 tensors): the backend's ``graph_attention``. A backend that plans on the host (FlashInfer's
 CUDA-graph mode) does so in ``prepare``, outside the graph, before capture and every replay.
 A backend with graph variants (FlashInfer: ragged for batches without a cached prefix, paged
-on a prefix) gets one graph per bucket and variant; a replay runs the one its layout selects.
+on a prefix) gets one chain per bucket and variant; a replay runs the one its layout selects.
+
+Why a chain and not one graph: the device starts a graph only when the host's launch call for
+it returns, and that call costs about a microsecond per node (measured on the H200:
+``benchmarks/graph_launch.py``, 345 nodes 410-530 us). One graph of the whole forward (about
+320 nodes for 28 layers) made the device wait that long at every replay, a fifth of a
+small-bucket prefill. The chain's first graph holds one layer, so the device starts after a
+launch of about a dozen nodes, and each next graph holds at most twice the layers of the one
+before (:func:`launch_spans`): the host launches it while the device runs the previous ones,
+which take several times longer per layer than their launch. The kernels are those of one
+graph, in the same order, from one memory pool; each graph leaves the residual and the next
+layer's attention inputs in the runner's state buffers (the residual is copied there once, after
+the embedding; the next q, k, v are projected there), where the next graph reads them.
 """
 
 from __future__ import annotations
@@ -17,6 +29,24 @@ import torch
 from service.ranks.forward_batch import BatchLayout, ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
+from service.ranks.runners.state_buffers import StateBuffers
+
+SPAN_GROWTH = 2  # each graph of the chain holds at most this many times the previous one's layers
+
+
+def launch_spans(num_layers: int, growth: int = SPAN_GROWTH) -> tuple[tuple[int, int], ...]:
+    """The layer ranges [start, stop) of a forward's chain of graphs: 1, then at most ``growth``
+    times the previous span's layers, covering ``num_layers`` in order (28 layers: 1, 2, 4, 8,
+    13)."""
+    if num_layers < 1 or growth < 1:
+        raise ValueError(f"need at least one layer and growth >= 1, got {num_layers}, {growth}")
+    spans: list[tuple[int, int]] = []
+    start, size = 0, 1
+    while start < num_layers:
+        stop = min(num_layers, start + size)
+        spans.append((start, stop))
+        start, size = stop, size * growth
+    return tuple(spans)
 
 
 class FullGraphRunner(GraphRunner):
@@ -26,35 +56,57 @@ class FullGraphRunner(GraphRunner):
     def num_slots(self) -> int:
         return self.plan.capture_request_capacity
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the state between two graphs of a chain, shared by every bucket, variant and chain
+        self.state = StateBuffers.allocate(self.model, self.buffers.max_tokens, self.device)
+
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         if not self.graph_attention.graph_safe:
             raise ValueError(f"attention backend {self.graph_attention.name} is not graph-safe")
         batch = self.buffers.load_synthetic(capture_seq_lens, bucket, self.num_slots)
-        attention = self.graph_attention
-        captured: dict[str, CapturedCall] = {}
-        for variant in attention.graph_variants:  # one graph each, from the one pool
+        attention, model, state = self.graph_attention, self.model, self.state
+        ids, positions = batch.input_ids, batch.positions
+        qkv = state.qkv[:bucket]
+        captured: dict[str, list[CapturedCall]] = {}
+        for variant in attention.graph_variants:  # one chain each, from the one pool
             attention.prepare(batch, bucket, variant)
+            chain: list[CapturedCall] = []
+            for start, stop in launch_spans(len(model.layers)):
 
-            def forward(variant: str = variant) -> torch.Tensor:
-                # bind inside the captured function: the per-forward attention layout is part
-                # of the graph, recomputed from the static buffers at every replay
-                bound = attention.bind_variant(batch, variant)
-                return self.model(batch.input_ids, batch.positions, bound)
+                def span(start: int = start, stop: int = stop, variant: str = variant) -> Any:
+                    # bind inside the captured function: the per-forward attention layout is
+                    # part of the graph, recomputed from the static buffers at every replay
+                    bound = attention.bind_variant(batch, variant)
+                    first = (
+                        model.first_segment(ids, positions, bound)
+                        if start == 0
+                        else state.state(bucket)  # where the previous graph left it
+                    )
+                    got = model.forward_span(start, stop, first, positions, bound, qkv_out=qkv)
+                    if isinstance(got, torch.Tensor):  # the last span: final hidden states
+                        return got
+                    state.keep(bucket, got)
+                    return None
 
-            captured[variant] = CapturedCall(forward, self.device, self.pool, self.stream)
+                chain.append(CapturedCall(span, self.device, self.pool, self.stream))
+            captured[variant] = chain
         return captured
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         variant = self.graph_attention.graph_variant(batch.layout)
         view = self.buffers.copy_from(batch, bucket, self.num_slots)
         self.graph_attention.prepare(view, bucket, variant)
-        return captured[variant].replay()
+        chain = captured[variant]
+        for call in chain:
+            call.replay()
+        return chain[-1].out
 
     def captured_calls(self, bucket: int) -> list[CapturedCall]:
-        return list(self._captured[bucket].values())
+        return [call for chain in self._captured[bucket].values() for call in chain]
 
     def replayed_calls(self, bucket: int, layout: BatchLayout) -> list[CapturedCall]:
-        return [self._captured[bucket][self.graph_attention.graph_variant(layout)]]
+        return list(self._captured[bucket][self.graph_attention.graph_variant(layout)])
 
     def forget(self, num_tokens: int) -> None:
         super().forget(num_tokens)

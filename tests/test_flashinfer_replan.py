@@ -1,0 +1,89 @@
+"""``full`` replans FlashInfer's CUDA-graph ragged wrapper through the one module call its Python
+``plan`` makes (``RaggedReplan``). The GPU test in test_flashinfer.py checks it against
+FlashInfer's own plan; these pin the contract on CPU with a stand-in that plans as FlashInfer's
+wrapper does (installs its module during ``plan``, copies the indptrs into the buffers the graph
+reads, derives the KV lengths, calls the module), so CI covers it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from service.ranks.attention.flashinfer_replan import RaggedReplan
+
+S = 4
+
+
+class Wrapper:
+    """FlashInfer's ragged wrapper in CUDA-graph mode, as far as its plan goes."""
+
+    def __init__(self, indptrs: torch.Tensor, module_calls: int = 1) -> None:
+        self._qo_indptr_buf, self._kv_indptr_buf = indptrs[0], indptrs[1]
+        self.module_calls = module_calls
+        self.plans = 0  # Python plans
+        self.scheduled: list[tuple[list[int], list[int]]] = []  # what the module was given
+        self.info = [3, 1, 4]
+        self._cached_module = None
+        self.module = SimpleNamespace(plan=self._module_plan)  # FlashInfer caches its modules
+
+    def _module_plan(self, workspace, qo_host, kv_host, kv_lens, rows, batch) -> list[int]:
+        assert qo_host.device.type == "cpu" and batch == S
+        self.scheduled.append((qo_host.tolist(), kv_lens.tolist()))
+        return list(self.info)
+
+    def plan(self, qo: torch.Tensor, kv: torch.Tensor) -> None:
+        self.plans += 1
+        # installed by plan itself, as FlashInfer's does: a recorder swapped in before plan
+        # would be replaced before the module is called
+        self._cached_module = self.module
+        qo_host, kv_host = qo.to("cpu"), kv.to("cpu")
+        self._qo_indptr_buf.copy_(qo)
+        self._kv_indptr_buf.copy_(kv)
+        kv_lens = kv_host[1:] - kv_host[:-1]
+        for _ in range(self.module_calls):
+            self._plan_info = self._cached_module.plan("ws", qo_host, kv_host, kv_lens, 64, S)
+
+
+def replan(module_calls: int = 1) -> tuple[RaggedReplan, Wrapper, torch.Tensor]:
+    indptrs = torch.zeros(2, S + 1, dtype=torch.int32)
+    w = Wrapper(indptrs, module_calls)
+    return RaggedReplan(w, indptrs, lambda qo: w.plan(qo, qo)), w, indptrs
+
+
+def offsets(lens: list[int]) -> list[int]:
+    return [0, *np.cumsum(lens).tolist()]
+
+
+def test_after_the_first_plan_only_the_module_call_is_made_with_the_new_layout():
+    r, w, indptrs = replan()
+    r(np.array([40, 24, 0, 0]))
+    assert not r.fast and w.plans == 2  # the first plan: once to install, once recorded
+    for lens in ([10, 0, 0, 0], [5, 6, 7, 8], [0, 0, 0, 0]):
+        r(np.array(lens))
+        assert r.fast and w.plans == 2  # FlashInfer's Python plan is not called again
+        # the graph's buffers hold the new indptrs (query and KV ranges are the same) ...
+        assert indptrs.tolist() == [offsets(lens)] * 2
+        # ... and the module scheduled exactly this layout
+        assert w.scheduled[-1] == (offsets(lens), lens)
+    assert w._plan_info == w.info
+
+
+@pytest.mark.parametrize("module_calls", [0, 2])
+def test_a_plan_that_is_not_exactly_one_module_call_keeps_going_through_flashinfer(module_calls):
+    r, w, indptrs = replan(module_calls)
+    for i, lens in enumerate(([40, 24, 0, 0], [10, 0, 0, 0], [1, 2, 3, 4])):
+        r(np.array(lens))
+        assert not r.fast
+        assert w.plans == 2 + i  # the recorded first plan, then one Python plan each
+        assert indptrs.tolist() == [offsets(lens)] * 2
+
+
+def test_a_changed_plan_info_stops_the_replay_instead_of_running_a_stale_graph():
+    r, w, _ = replan()
+    r(np.array([40, 24, 0, 0]))
+    w.info = [3, 1, 5]  # the schedule's layout in the workspace moved: the graph is invalid
+    with pytest.raises(RuntimeError, match="plan info changed"):
+        r(np.array([10, 0, 0, 0]))
