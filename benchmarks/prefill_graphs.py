@@ -518,12 +518,7 @@ def main() -> int:
 
     clocks.stop()
     print(f"SM clocks sampled by: {clocks.source}")
-    hf = {}
-    for tokens in [int(t) for t in args.hf_compiled.split(",") if t.strip()]:
-        hf[tokens] = hf_compiled_ms(QWEN25_15B, tokens, args.iters)
-        gc.collect()  # the reference model and its graph go before the next
-        torch.cuda.empty_cache()
-        print(f"hf compiled + cuda graph, {tokens} tokens: {hf[tokens]:.2f} ms", flush=True)
+    hf: dict = {}
     backends = args.backends.split(",")
     # per backend: ms, ratio to the floor, kernels per forward
     head = f"{'bucket':>6} {'reqs':>4} {'floor':>7} {'eager':>8} {'/fl':>5} {'kern':>5}"
@@ -592,17 +587,27 @@ def main() -> int:
             f"floor's), burst {rates['matmul_burst'] / 1e12:.0f} TFLOP/s at "
             f"{rates['matmul_burst_mhz'] or 0:.0f} MHz"
         )
-    if args.out:
-        Path(args.out).write_text(
-            json.dumps({"rows": [rows[b] for b in sorted(rows)], "captures": captures,
-                        "copy_bytes_per_s": rates["copy"], "matmul_flops": rates["matmul"],
-                        "rates": rates,
-                        "device": torch.cuda.get_device_name() if worker.device.type == "cuda"
-                        else "cpu",
-                        "attention": info.attention.to_json(),
-                        "fused_kernels": info.kernels.to_json(), "hf_compiled_ms": hf,
-                        "torch": torch.__version__, "args": vars(args)}, indent=2)
-        )  # fmt: skip
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(
+                json.dumps({"rows": [rows[b] for b in sorted(rows)], "captures": captures,
+                            "copy_bytes_per_s": rates["copy"], "matmul_flops": rates["matmul"],
+                            "rates": rates,
+                            "device": torch.cuda.get_device_name()
+                            if worker.device.type == "cuda" else "cpu",
+                            "attention": info.attention.to_json(),
+                            "fused_kernels": info.kernels.to_json(), "hf_compiled_ms": hf,
+                            "torch": torch.__version__, "args": vars(args)}, indent=2)
+            )  # fmt: skip
+
+    save()  # before the reference model: a call cut short keeps our own figures
+    for tokens in [int(t) for t in args.hf_compiled.split(",") if t.strip()]:
+        hf[tokens] = hf_compiled_ms(QWEN25_15B, tokens, args.iters)
+        gc.collect()  # the reference model and its graph go before the next
+        torch.cuda.empty_cache()
+        print(f"hf compiled + cuda graph, {tokens} tokens: {hf[tokens]:.2f} ms", flush=True)
+        save()
     return 0
 
 
