@@ -1,12 +1,12 @@
 """What a CUDA graph launch costs on the host, and when the device starts it, against node count.
 
-A prefill replay of ``full`` is one graph of about 320-350 kernel nodes; at small buckets the
-device waits for the host's work before it (the attention plan, the input copies) and for the
-launch itself. This probe separates the launch: graphs of N tiny elementwise kernels (about
-2 us of device time each), and of N small GEMMs (cuBLAS, launched with extended attributes, as
-the model's linear layers are), timed on the host and placed on the profiler's clock; and the
-same N kernels as two graphs, a short one launched first so the device starts while the host
-launches the rest.
+A prefill replay of ``full`` was one graph of about 320-350 kernel nodes; at small buckets the
+device waited for the host's work before it (the attention plan, the input copies) and for the
+launch itself (``full`` now launches a chain of graphs, the first of one layer). This probe
+separates the launch: graphs of N tiny elementwise kernels (about 2 us of device time each), and
+of N small GEMMs (cuBLAS, launched with extended attributes, as the model's linear layers are),
+timed on the host and placed on the profiler's clock; and the same N kernels as two graphs, a
+short one launched first so the device starts while the host launches the rest.
 
     python benchmarks/graph_launch.py --out graph_launch.json
 """

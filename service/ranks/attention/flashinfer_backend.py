@@ -422,10 +422,11 @@ class FlashInferGraphAttention(FlashInferBase):
 
     def bind_variant(self, batch: ForwardBatch, variant: str) -> BoundAttention:
         bucket = batch.input_ids.shape[0]
-        # One output per head shape for the whole forward, zeroed once (in a graph: once per
-        # replay), not once per layer: the kernels write the planned (live) rows only, so the
-        # padded rows stay 0 through every layer, and each layer's output is consumed by its
-        # o_proj before the next layer's attention overwrites the live rows.
+        # One output per head shape for all the layers this binding serves (one graph of
+        # `full`'s chain), zeroed once per replay, not once per layer: the kernels write the
+        # planned (live) rows only, so the padded rows stay 0 through every layer, and each
+        # layer's output is consumed by its o_proj before the next layer's attention
+        # overwrites the live rows.
         shared: dict[tuple[int, ...], torch.Tensor] = {}
 
         def attend(q, k, v, key, out):
