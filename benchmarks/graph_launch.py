@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timeline import HEADER, row, timeline
+from benchmarks.timeline import HEADER, host_ms, row, timeline
 
 
 def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -40,18 +39,6 @@ def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
         body()
     torch.cuda.synchronize()
     return g
-
-
-def host_us(fn: Callable[[], None], iters: int = 50) -> float:
-    """Median host microseconds of one call from an idle device."""
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def event_us(fn: Callable[[], None], iters: int = 50) -> float:
@@ -110,7 +97,12 @@ def main() -> int:
         for name, fn in cases.items():
             fn()
             t = timeline(fn)
-            r = {"graph": name, "host_us": host_us(fn), "event_us": event_us(fn), **t.to_json()}
+            r = {
+                "graph": name,
+                "host_us": host_ms(fn, 50) * 1e3,
+                "event_us": event_us(fn),
+                **t.to_json(),
+            }
             results.append(r)
             print(f"{name:>22} {r['host_us']:>8.0f} {r['event_us']:>9.0f}  {row(t)}", flush=True)
     if args.out:

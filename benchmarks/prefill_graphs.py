@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
-from benchmarks.timeline import Timeline, timeline
+from benchmarks.timeline import Timeline, host_ms, timeline
 from benchmarks.timeline import row as timeline_row
 from service.buckets import ResolvedRequestPool, decide_replay, partition_bucket
 from service.capture_result import CaptureStat
@@ -198,19 +198,6 @@ def device_profile(fn) -> tuple[float, float]:
                if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]  # fmt: skip
     busy_us = sum(e.device_time for e in device)
     return len(kernels) / 3, busy_us / 3 / 1e3
-
-
-def host_ms(fn, iters: int) -> float:
-    """Median milliseconds the host spends issuing one call of ``fn`` from an idle device (the
-    call returns when its work is queued, unless it waits on the device inside)."""
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def hf_compiled_ms(config: dict, tokens: int, iters: int) -> float:

@@ -11,6 +11,7 @@ compare backends within one run, not these against unprofiled event timings.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -39,6 +40,19 @@ class Timeline:
 
     def to_json(self) -> dict:
         return {k: round(v, 1) for k, v in asdict(self).items()}
+
+
+def host_ms(fn, iters: int) -> float:
+    """Median milliseconds the host spends issuing one call of ``fn`` from an idle device (the
+    call returns when its work is queued, unless it waits on the device inside)."""
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def timeline(fn: Callable[[], object], calls: int = 5) -> Timeline:
