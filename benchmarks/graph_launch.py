@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.timeline import HEADER, host_ms, row, timeline
+from benchmarks.timeline import HEADER, host_ms, row, timed, timeline
 
 
 def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -39,20 +38,6 @@ def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
         body()
     torch.cuda.synchronize()
     return g
-
-
-def event_us(fn: Callable[[], None], iters: int = 50) -> float:
-    """Median microseconds from an event recorded before the call to one after it."""
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(samples)
 
 
 def main() -> int:
@@ -100,7 +85,7 @@ def main() -> int:
             r = {
                 "graph": name,
                 "host_us": host_ms(fn, 50) * 1e3,
-                "event_us": event_us(fn),
+                "event_us": timed(fn, x.device, 50) * 1e3,
                 **t.to_json(),
             }
             results.append(r)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
-from benchmarks.timeline import Timeline, host_ms, timeline
+from benchmarks.timeline import Timeline, host_ms, one_call_ms, timed, timeline
 from benchmarks.timeline import row as timeline_row
 from service.buckets import ResolvedRequestPool, decide_replay, partition_bucket
 from service.capture_result import CaptureStat
@@ -106,13 +106,6 @@ DEEPSEEK_V2_LITE = {
 MODELS = {"qwen2.5-1.5b": QWEN25_15B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
 
 
-def timed(fn, device: torch.device, iters: int) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on GPU, wall clock on CPU)."""
-    for _ in range(3):
-        fn()
-    return statistics.median(_one(fn, device) for _ in range(iters))
-
-
 def paired(
     fns: dict, device: torch.device, iters: int, clocks: ClockSampler, rounds: int = 4
 ) -> dict:
@@ -128,24 +121,11 @@ def paired(
     for _ in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
-            samples[name] += [_one(fn, device) for _ in range(per_round)]
+            samples[name] += [one_call_ms(fn, device) for _ in range(per_round)]
             windows[name].append((t0, time.perf_counter()))
     return {
         name: (statistics.median(samples[name]), clocks.mean_mhz(windows[name])) for name in fns
     }
-
-
-def _one(fn, device: torch.device) -> float:
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end)
 
 
 def kernel_times(fn) -> dict[str, tuple[float, float]]:

@@ -3,7 +3,8 @@ activities): how long the host works before the device gets its first op, how lo
 launch takes on the host, how late the first kernel of a launched graph starts, and how much
 of the call the device sits idle.
 
-Used by ``prefill_graphs.py --timeline`` and ``graph_launch.py``. Times are from profiled calls,
+Used by ``prefill_graphs.py --timeline`` and ``graph_launch.py``, which also share the plain
+timings here (CUDA events around a call, the host time to issue one). Times are from profiled calls,
 so host times include the profiler's own overhead per recorded op (a few microseconds each);
 compare backends within one run, not these against unprofiled event timings.
 """
@@ -40,6 +41,27 @@ class Timeline:
 
     def to_json(self) -> dict:
         return {k: round(v, 1) for k, v in asdict(self).items()}
+
+
+def timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(3):
+        fn()
+    return statistics.median(one_call_ms(fn, device) for _ in range(iters))
+
+
+def one_call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call: CUDA events around it on GPU, wall clock on CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end)
 
 
 def host_ms(fn, iters: int) -> float:
