@@ -118,10 +118,11 @@ def test_graph_replay_of_batches_using_both_paths_equals_eager(checkpoint, backe
     for (gb, g), (_, e) in zip(g_prefills, e_prefills, strict=True):
         assert g.record.graph_hit, g.record
         diff = (g.logits - e.logits).abs().max().item()
-        if backend == "full":  # the graph-safe slot attention: float32 rounding apart
-            assert diff < 1e-5, (gb.command.prefix_lens, diff)
-        else:  # the same kernels at the same shapes, padded tokens routed to experts too
-            assert diff == 0.0, (gb.command.prefix_lens, diff)
+        # float32 rounding apart, not more: `full` runs the graph-safe slot attention; every
+        # backend routes the bucket's padded tokens to experts too, so an expert's GEMM sees
+        # more rows than in eager, and CPU BLAS may block (and so round) by row count (seen on
+        # an AMD EPYC host: 6e-7 to 8e-7; bit-equal on others)
+        assert diff < 1e-5, (gb.command.prefix_lens, diff)
     assert [o.output_ids for o in g_outs] == [o.output_ids for o in e_outs]
 
 

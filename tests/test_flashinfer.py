@@ -13,6 +13,8 @@ import torch
 
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
+from service.model.attention import AttendCall
+from service.ranks.attention.base import AttendCalls
 from service.ranks.attention.torch_varlen import TorchVarlenAttention
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.select import flashinfer_import_error
@@ -126,7 +128,29 @@ def test_eager_paths_match_torch(model_dir, path, mode, prefix, extend, monkeypa
             got = bound(q, k, v, key, out)
             assert got.data_ptr() == out.data_ptr()
             assert rel_err(got, ref.forward(q, k, v, key, batch)) < REL_TOL
-    assert len(runs) == 2, "the second call with the same views did not skip FlashInfer's run"
+        assert len(runs) == 2, "the second call with the same views did not skip FlashInfer's run"
+        if mode is ForwardMode.DECODE:
+            return
+        # a segment runner's tape: two layers' calls over the same tensors, resolved once per
+        # forward without running anything, then made directly
+        key0 = worker.model.layers[0].self_attn.key
+        calls = AttendCalls((AttendCall(q, k, v, key, out), AttendCall(q, k, v, key0, out)))
+        out.fill_(7.0)
+        launches = bound.launchers(calls)
+        torch.cuda.synchronize()
+        assert bool(out.eq(7.0).all()), "resolving the launches ran a kernel"
+        # ragged attention reads this pass's K/V only: both layers are one kernel call, made
+        # below FlashInfer's Python (its compiled function); paged reads each layer's cache
+        assert len(runs) == (3 if path == "ragged" else 4)
+        if path == "ragged":
+            assert launches[0] is launches[1]
+            assert type(launches[0].func).__module__.startswith("tvm_ffi")
+        for i, layer_key in enumerate((key, key0)):
+            for t_ in (q, k, v):
+                t_.copy_(rand(t_.shape[1]))
+            bound.store(k, v, layer_key)
+            launches[i]()
+            assert rel_err(out, ref.forward(q, k, v, layer_key, batch)) < REL_TOL
 
 
 def prefill_results(e: Engine, prompts: list[list[int]]):

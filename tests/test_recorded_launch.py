@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.ranks.attention.flashinfer_backend import recorded_launch
+from service.ranks.attention.recorded_launch import recorded_launch
 
 
 class Module:

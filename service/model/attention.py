@@ -76,6 +76,18 @@ class AttentionRegistry:
         return {spec.kind for spec in self._specs.values()}
 
 
+@dataclass(frozen=True, eq=False)
+class AttendCall:
+    """One attention call over fixed tensors, its result written into ``out``: what a layer's
+    attention is, stated once per bucket for a segment runner (:meth:`CausalLM.attend_calls`)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    key: AttentionKey
+    out: torch.Tensor
+
+
 class BoundAttention(Protocol):
     """Attention bound to one forward's batch: what a model layer calls, in this order.
 

@@ -17,7 +17,7 @@ import re
 import torch
 
 from service.model.arch_config import ArchConfig
-from service.model.attention import AttentionKey, AttentionRegistry, BoundAttention
+from service.model.attention import AttendCall, AttentionKey, AttentionRegistry, BoundAttention
 from service.model.kernels import Kernels
 from service.model.llama import MLP, CausalLM, PreNormLayer
 from service.model.mla import MlaAttention, Rope
@@ -137,6 +137,11 @@ class DeepseekLM(CausalLM):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.layers[i].self_attn.attend(inputs, attention, out)
+
+    def attend_calls(
+        self, i: int, inputs: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> tuple[AttendCall, ...]:
+        return self.layers[i].self_attn.attend_calls(inputs, out)
 
     # ---- checkpoint names ------------------------------------------------------------------
     _EXPERT = re.compile(

@@ -24,7 +24,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from service.model.arch_config import ArchConfig
-from service.model.attention import AttentionKey, AttentionRegistry, AttentionSpec, BoundAttention
+from service.model.attention import (
+    AttendCall,
+    AttentionKey,
+    AttentionRegistry,
+    AttentionSpec,
+    BoundAttention,
+)
 from service.model.kernels import Kernels
 from service.model.parallel import (
     ColumnParallelLinear,
@@ -258,6 +264,14 @@ class CausalLM(nn.Module):
         """Layer i's attention over the inputs its segment produced -> (T, Hq*D)."""
         q, k, v = inputs
         return attention(q, k, v, self.attention_keys[i], out)
+
+    def attend_calls(
+        self, i: int, inputs: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> tuple[AttendCall, ...]:
+        """What :meth:`attend` of layer i into ``out`` does, as attention calls over these
+        tensors: a segment runner makes them without coming back through the model."""
+        q, k, v = inputs
+        return (AttendCall(q, k, v, self.attention_keys[i], out),)
 
     # Segments between attention calls: token-axis only, so they replay for any request layout.
     def first_segment(

@@ -31,6 +31,7 @@ from service.model.arch_config import ArchConfig, MlaConfig
 from service.model.attention import (
     MLA_LATENT,
     MLA_NEW,
+    AttendCall,
     AttentionKey,
     AttentionRegistry,
     AttentionSpec,
@@ -217,6 +218,17 @@ class MlaAttention(nn.Module):
             if res.data_ptr() != dst.data_ptr():
                 dst.copy_(res)
         return out
+
+    def attend_calls(
+        self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> tuple[AttendCall, ...]:
+        """:meth:`attend` of a prefill into ``out``: each path into its columns."""
+        q_mha, k_mha, v_mha, q_mqa, entry = inputs
+        w = self.mha_width
+        return (
+            AttendCall(q_mha, k_mha, v_mha, self.key_mha, out[:, :w]),
+            AttendCall(q_mqa, entry, entry, self.key_mqa, out[:, w:]),
+        )
 
     def output(self, attn_out: torch.Tensor, decode: bool) -> torch.Tensor:
         """The attention output (T, H*Q + H*C), or (T, H*C) in decode -> o_proj's (T, H_model)."""

@@ -7,12 +7,15 @@ the attend function type) lives in :mod:`service.model.attention`; backends impl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from service.model.attention import (
     MLA_NEW,
+    AttendCall,
     AttentionKey,
     AttentionRegistry,
     AttentionSpec,
@@ -131,19 +134,52 @@ class PlannedAttention(AttentionBackend):
         return self.bind(batch)(q, k, v, key, out)
 
 
+@dataclass(frozen=True, eq=False)
+class AttendCalls:
+    """A bucket's attention calls in order. ``memo`` is for a backend to keep what it derives
+    from the calls once (which calls share a launch) instead of once per forward."""
+
+    calls: tuple[AttendCall, ...]
+    memo: dict[Any, Any] = field(default_factory=dict)
+
+
+Launcher = Callable[[], Any]  # makes one attention call of a forward, its result in its ``out``
+Launchers = Callable[[AttendCalls], Sequence[Launcher]]
+
+
 class Bound:
-    """A backend bound to one forward's batch (the model's :class:`BoundAttention`)."""
+    """A backend bound to one forward's batch (the model's :class:`BoundAttention`).
+
+    :meth:`launchers` is what a segment runner calls instead: one zero-argument callable per
+    attention call of its bucket, resolved once per forward, so the host work between two
+    graph replays is the call itself (a backend may give the kernel launch and nothing else)."""
 
     def __init__(
         self,
         backend: AttentionBackend,
         batch: ForwardBatch,
         attend: Callable[..., torch.Tensor],
+        launchers: Launchers | None = None,
     ) -> None:
         self.backend = backend
         self.batch = batch
         self._attend = attend
+        self._launchers = launchers
         self.decode = batch.layout.mode is ForwardMode.DECODE
+
+    def launchers(self, calls: AttendCalls) -> Sequence[Launcher]:
+        """One launcher per call of ``calls``, valid for this forward only."""
+        if self._launchers is not None:
+            return self._launchers(calls)
+        return [self._into(c) for c in calls.calls]
+
+    def _into(self, c: AttendCall) -> Launcher:
+        def launch() -> None:
+            res = self._attend(c.q, c.k, c.v, c.key, c.out)
+            if res.data_ptr() != c.out.data_ptr() or res.stride() != c.out.stride():
+                c.out.copy_(res)
+
+        return launch
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         self.backend.store(k, v, key, self.batch)

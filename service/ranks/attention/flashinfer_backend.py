@@ -15,9 +15,12 @@ writing the live layout into buffers whose addresses the graph holds, before cap
 every replay. Buckets and variants share those buffers and one int workspace: only one graph
 replays at a time and each replay is preceded by its own plan.
 
-Eager launches: a segment runner calls attention once per layer over the same views; after the
-first layer of a forward the kernel call FlashInfer's ``run`` made is made directly
-(:func:`recorded_launch`).
+Eager launches: a segment runner attends once per layer over the same views. Through
+``Bound.launchers`` it gets, once per forward, the compiled kernel call FlashInfer's ``run`` would
+make for each layer, recorded without running (:mod:`~service.ranks.attention.recorded_launch`),
+so between two graph replays the host makes that call and nothing else; ragged layers of one
+head shape share one call. A plain call (``bound(q, k, v, key, out)``) over the same views
+records the call at the first layer and makes it directly for the next.
 
 Padded query rows (past the real tokens) get zeros: the kernels write only planned rows, and a
 graph's memory pool would otherwise hand them stale values. A graph's layers share one output
@@ -26,7 +29,6 @@ buffer, zeroed once per replay.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,9 +42,17 @@ from service.model.attention import (
     AttentionSpec,
     BoundAttention,
 )
-from service.ranks.attention.base import Bound, PlannedAttention, output_buffer
+from service.ranks.attention.base import (
+    AttendCall,
+    AttendCalls,
+    Bound,
+    Launcher,
+    PlannedAttention,
+    output_buffer,
+)
 from service.ranks.attention.flashinfer_replan import RaggedReplan
 from service.ranks.attention.paged_layout import PagedLayout, indptr, paged_layout
+from service.ranks.attention.recorded_launch import recorded_launch
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
 
@@ -149,7 +159,42 @@ class FlashInferAttention(FlashInferBase):
                 launch = prepared[sig] = self._launcher(path, wrappers, q, k, v, out, num_real)
             return launch(key)
 
-        return Bound(self, batch, attend)
+        def launchers(calls: AttendCalls) -> list[Launcher]:
+            # which calls share one launch: ragged attention reads this pass's q/k/v only, so
+            # calls over the same tensors and head shape are the same kernel call whatever the
+            # layer; paged attention reads the layer's cache (worked out once per bucket)
+            groups = calls.memo.get(path)
+            if groups is None:
+                groups = calls.memo[path] = launch_groups(calls, self.shapes, path == "ragged")
+            firsts, index = groups
+            made = [self._direct(path, wrappers, calls.calls[i], num_real) for i in firsts]
+            return [made[g] for g in index]
+
+        return Bound(self, batch, attend, launchers)
+
+    def _direct(
+        self, path: str, wrappers: dict[HeadShape, Any], c: AttendCall, num_real: int
+    ) -> Launcher:
+        """The kernel call of ``c`` for this forward's plan, recorded without running it; the
+        padded output rows zeroed now (the kernel writes the live rows only)."""
+        shape = self.shapes[c.key]
+        wrapper = wrappers[shape]
+        spec, q3 = self.heads(c.q, c.key)
+        res = output_buffer(q3, c.out, num_real)[:num_real]
+        if path == "ragged":  # strided q/k/v (columns of one qkv tensor), in place
+            t, h, d = c.k.shape[0], spec.num_kv_heads, spec.head_dim
+            args: tuple = (
+                q3[:num_real],
+                c.k.view(t, h, d)[:num_real],
+                c.v.view(t, h, d)[:num_real],
+            )
+        else:
+            args = (q3[:num_real], self._paged_cache(spec))
+
+        def run() -> Any:
+            return wrapper.run(*args, out=res)
+
+        return recorded_launch(wrapper, run, execute=False) or run
 
     def _launcher(
         self,
@@ -221,51 +266,24 @@ class FlashInferAttention(FlashInferBase):
             )  # fmt: skip
 
 
-class _Recorder:
-    """Stands in for a wrapper's compiled module during one ``run``: forwards every call and
-    keeps the (method, arguments) of each."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.calls: list[tuple[str, tuple, dict[str, Any]]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        got = getattr(self.module, name)
-        if not callable(got):
-            return got
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.calls.append((name, args, kwargs))
-            return got(*args, **kwargs)
-
-        return call
-
-
-def recorded_launch(wrapper: Any, run: Callable[[], Any]) -> Callable[[], Any] | None:
-    """Run ``run`` (a wrapper's ``run`` over fixed views) and return the one kernel call it
-    made, to be made again directly; ``None`` (keep calling ``run``) unless it made exactly one.
-
-    Why: FlashInfer's Python ``run`` re-derives the same arguments on every call (backend
-    dispatch, shape and dtype checks, API logging), about 15 us of host time per layer, while
-    the launch it ends in is one call into the compiled module whose arguments (the plan's info
-    and buffers, these views, the output) do not change for the rest of the forward. A segment
-    runner's layers call attention over the same views, so from the second layer on only the
-    launch is left. Valid until the next plan: the launcher holding it lives for one forward.
-    """
-    module = getattr(wrapper, "_cached_module", None)
-    if module is None:
-        run()
-        return None
-    recorder = _Recorder(module)
-    wrapper._cached_module = recorder
-    try:
-        run()
-    finally:
-        wrapper._cached_module = module
-    if len(recorder.calls) != 1:
-        return None
-    name, args, kwargs = recorder.calls[0]
-    return functools.partial(getattr(module, name), *args, **kwargs)
+def launch_groups(
+    calls: AttendCalls, shapes: dict[AttentionKey, HeadShape], any_layer: bool
+) -> tuple[list[int], list[int]]:
+    """The calls that need a launch of their own (indices of the first of each group) and each
+    call's group. A group is the same tensors and head shape, and also the same layer unless
+    ``any_layer`` (attention that reads no layer state: ragged, over this pass's K/V)."""
+    firsts: list[int] = []
+    index: list[int] = []
+    seen: dict[tuple, int] = {}
+    for i, c in enumerate(calls.calls):
+        layer = None if any_layer else c.key
+        sig = (id(c.q), id(c.k), id(c.v), id(c.out), shapes[c.key], layer)
+        group = seen.get(sig)
+        if group is None:
+            group = seen[sig] = len(firsts)
+            firsts.append(i)
+        index.append(group)
+    return firsts, index
 
 
 def host_lengths(pl: PagedLayout) -> dict[str, Any]:

@@ -14,6 +14,10 @@ to one buffer whose column widths the model states (``attention_io``), the fused
 updates the residual buffer in place, attention writes into the attention buffer. Where a
 kernel cannot work in place (the torch fallback, MLA's concatenated inputs), the segment copies
 its result there; graphs never hold per-bucket activations.
+
+A replay runs the first segment, plans attention, then the bucket's tape (``tape.py``): layer by
+layer, the attention kernel call and the next segment's graph launch, resolved once per forward,
+so between two graph launches the host makes the attention launch and nothing else.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
 from service.ranks.runners.state_buffers import StateBuffers, place
+from service.ranks.runners.tape import Tape, bound
 
 
 @dataclass(frozen=True)
@@ -94,21 +99,38 @@ class BreakableGraphRunner(GraphRunner):
             if i > 0:  # attention of layer i-1 on the synthetic batch feeds segment i
                 self._attend(i - 1, attention, views, out)
             captured.append(CapturedCall(fn, self.device, self.pool, self.stream))
-        return captured
+        return Segments(captured, self._tape(bucket, captured, views, out))
+
+    def _tape(
+        self,
+        bucket: int,
+        captured: list[CapturedCall],
+        views: tuple[torch.Tensor, ...],
+        out: torch.Tensor,
+    ) -> Tape:
+        """Everything after the first segment, flat: layer i's attention calls (the views and
+        output made once for the bucket), then segment i+1."""
+        steps: list[Any] = []
+        for i, call in enumerate(captured[1:]):
+            steps.extend(self.model.attend_calls(i, views, out))
+            steps.append(call)
+        return Tape(steps, self.seg.hidden[:bucket])
 
     def captured_calls(self, bucket: int) -> list[CapturedCall]:
-        return list(self._captured[bucket])
+        return list(self._captured[bucket].calls)
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
         # the first segment (embedding up to layer 0's attention inputs) needs no attention
         # plan: launched first, it runs while the host plans attention for this batch
-        captured[0].replay()
+        captured.calls[0].replay()
         attention = self.eager_attention.bind(view)  # one plan per replay, not one per layer
-        # the same buffer views serve every layer: made once per replay, so the host work
-        # between two segment replays is the attention launch
-        views, out = self.seg.state.qkv_views(bucket), self.seg.attn[:bucket]
-        for i in range(1, len(captured)):
-            self._attend(i - 1, attention, views, out)
-            captured[i].replay()
-        return self.seg.hidden[:bucket]
+        return captured.tape.run(bound(attention))  # each layer: attention, the next segment
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A bucket's captured segments and the tape that replays all but the first."""
+
+    calls: list[CapturedCall]
+    tape: Tape

@@ -68,13 +68,28 @@ class CapturedCall:
         self.replays += 1
         if self.graph is not None:
             self.graph.replay()
-            return self.out
-        assert self.traced is not None
+        else:
+            self._run_trace()
+        return self.out
+
+    def launcher(self) -> Callable[[], Any]:
+        """A zero-argument replay that does not count itself (the caller adds to ``replays``):
+        on CUDA the graph's own compiled replay, without torch's Python wrapper around it (a
+        tape of a forward calls it once per layer)."""
+        if self.graph is None:
+            return self._run_trace
+        compiled = getattr(torch._C, "_CUDAGraph", None)
+        if compiled is not None and isinstance(self.graph, compiled):
+            return compiled.replay.__get__(self.graph)
+        return self.graph.replay
+
+    def _run_trace(self) -> None:
+        if self.traced is None:
+            raise RuntimeError("a CPU captured call without its trace")
         fresh = pytree.tree_leaves(self.traced())
         for dst, src in zip(pytree.tree_leaves(self.out), fresh, strict=True):
             if isinstance(dst, torch.Tensor) and dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
-        return self.out
 
 
 def timed_capture(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,8 +37,8 @@ class PieceGraph(nn.Module):
         self.parity = idx % 2
         self.out_specs: list[tuple[tuple[int, ...], torch.dtype] | None] | None = None
         self.tuple_out = True
-        # bucket -> (inputs, graph, positions of the inputs copied in at capture)
-        self.captured: dict[int, tuple[list[Any], CapturedCall, list[int]]] = {}
+        # bucket -> (inputs, graph)
+        self.captured: dict[int, tuple[list[Any], CapturedCall]] = {}
 
     def _learn_outputs(self, args: tuple) -> Any:
         """The first run after the trace: plain FX, to learn which outputs go to buffers."""
@@ -85,24 +86,31 @@ class PieceGraph(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         state = self.state
-        entry = self.captured.get(state.bucket)
-        if entry is None:
-            if self.out_specs is None:
-                return self._learn_outputs(args)
-            outs = self._outs(state.bucket)
-            if not state.capturing:
-                return self._call(outs, list(args))
-            static = self._stage(args)
-            call = CapturedCall(lambda: self._call(outs, static), state.device,
-                                state.pool, state.stream)  # fmt: skip
-            # only arguments that were copied in at capture can arrive elsewhere at replay: the
-            # rest are the shared buffers, static inputs and parameters the graph reads in place
-            staged = [i for i, (a, s) in enumerate(zip(args, static, strict=True)) if a is not s]
-            self.captured[state.bucket] = (static, call, staged)
-            return call.out
-        static, call, staged = entry
-        for i in staged:
-            src, dst = args[i], static[i]
-            if src.data_ptr() != dst.data_ptr():
-                dst.copy_(src)
-        return call.replay()
+        if state.bucket in self.captured:
+            raise RuntimeError(
+                f"a piece ran again for captured bucket {state.bucket}: replays go through the "
+                "bucket's tape, not through the split graph"
+            )
+        if self.out_specs is None:
+            return self._learn_outputs(args)
+        outs = self._outs(state.bucket)
+        if not state.capturing:
+            return self._call(outs, list(args))
+        if state.tape is None:
+            raise RuntimeError("pieces are captured into a bucket's tape; none was started")
+        static = self._stage(args)
+        call = CapturedCall(lambda: self._call(outs, static), state.device,
+                            state.pool, state.stream)  # fmt: skip
+        self.captured[state.bucket] = (static, call)
+        # the bucket's replay: copy the inputs staged at capture (arguments that are not shared
+        # buffers, static inputs or parameters, which the graph reads in place), then replay
+        state.tape.extend(_copy(s, a) for a, s in zip(args, static, strict=True) if a is not s)
+        state.tape.append(call)
+        return call.out
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], Any]:
+    def copy() -> None:
+        dst.copy_(src)
+
+    return copy

@@ -6,10 +6,14 @@ each non-attention piece is compiled once per distinct structure (inductor on CU
 as traced on CPU, where inductor's C++ build would dominate a 2-core CI) and captured as its own
 graph for every bucket.
 
-Replay: the split graph runs directly with the arguments dynamo passed at capture (views of the
-static buffers, parameters, the bucket's size): no guard evaluation, no dynamo frame. Its pieces
-replay their captured graphs and its attention nodes call the bound attention directly, so the
-host work between two piece replays is one attention call, as in ``breakable``.
+Replay: the bucket's tape (``runners/tape.py``), recorded while its pieces were captured: each
+piece's graph launch and each attention call, in the split graph's order, over the tensors they
+read and write (the same objects at every replay). No dynamo frame, no guard, no FX code and no
+per-piece Python run at replay; the attention calls are resolved once per forward by the bound
+attention (FlashInfer: its kernel call, recorded), so between two piece launches the host makes
+one attention launch, as in ``breakable``. What that removed, per layer: the FX-generated
+split code, the piece module's staging checks and graph wrapper, the attention op's context
+lookup, output-buffer lookup and the bound attention's per-call bookkeeping.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from service.ranks.attention.custom_op import OpAttention, attention_context
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
+from service.ranks.runners.tape import RecordingAttention, Tape, bound
 from service.ranks.runners.tc_piecewise.pieces import PieceGraph
 from service.ranks.runners.tc_piecewise.shared import CaptureState, SharedBuffers
 from service.ranks.runners.tc_piecewise.split import (
     call_attention_directly,
     call_modules_directly,
+    check_tape_structure,
     is_attention_piece,
     piece_signature,
     run_into,
@@ -74,7 +80,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
         self.traces = 0  # dynamo traces of the forward: one unless something recompiles
         self._compiled: Any = None
         self._split: fx.GraphModule | None = None
-        self._split_args: dict[int, tuple] = {}  # bucket -> the split graph's arguments
+        self._results: dict[int, torch.Tensor] = {}  # bucket -> the forward's output
         self._pieces: list[PieceGraph] = []
         self._attention_outputs: dict[tuple, torch.Tensor] = {}  # see _attention_output
 
@@ -115,6 +121,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
         def backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
             self.traces += 1
             split = split_at_attention(gm)
+            check_tape_structure(split)
             shareable = shareable_outputs(split)
             pieces = 0
             for name, sub in list(split.named_children()):
@@ -131,9 +138,10 @@ class TcPiecewiseGraphRunner(GraphRunner):
             self._split = split
 
             def run(*args: Any) -> Any:
-                if self.state.capturing:  # replays call the split graph with these directly
-                    self._split_args[self.state.bucket] = args
-                return split(*args)
+                out = split(*args)
+                if self.state.capturing:  # the tape's result: the last piece's own output
+                    self._results[self.state.bucket] = _as_tuple(out)[0]
+                return out
 
             return run
 
@@ -161,7 +169,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
 
     def forget(self, num_tokens: int) -> None:
         super().forget(num_tokens)
-        self._split_args.pop(num_tokens, None)
+        self._results.pop(num_tokens, None)
         for piece in self._pieces:
             piece.captured.pop(num_tokens, None)
 
@@ -172,24 +180,26 @@ class TcPiecewiseGraphRunner(GraphRunner):
         if first:
             self._compiled = self._forward_code()
         self.state.bucket = bucket
-        with attention_context(self.eager_attention.bind(batch), self._attention_output):
-            if first:
-                self._compiled(*self._inputs(bucket))  # trace once; pieces learn their outputs
-            self.state.capturing = True
-            try:
-                self._compiled(*self._inputs(bucket))  # each piece warms up and is captured
-            finally:
-                self.state.capturing = False
-        if bucket not in self._split_args:
+        attention = self.eager_attention.bind(batch)
+        if first:  # trace once; pieces learn their outputs
+            with attention_context(attention, self._attention_output):
+                self._compiled(*self._inputs(bucket))
+        steps: list[Any] = []
+        recorder = RecordingAttention(attention, steps)
+        self.state.capturing, self.state.tape = True, steps
+        try:  # each piece warms up and is captured; the tape records the replay's order
+            with attention_context(recorder, self._attention_output):
+                self._compiled(*self._inputs(bucket))
+        finally:
+            self.state.capturing, self.state.tape = False, None
+        if bucket not in self._results:
             raise RuntimeError(f"bucket {bucket} was captured without going through the split")
-        return self._split_args[bucket]
+        recorder.check()
+        return Tape(steps, self._results[bucket])
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
-        self.state.bucket = bucket
-        with attention_context(self.eager_attention.bind(view), self._attention_output):
-            (hidden,) = _as_tuple(self._split(*captured))  # type: ignore[misc]
-        return hidden
+        return captured.run(bound(self.eager_attention.bind(view)))
 
     def _attention_output(self, q: torch.Tensor, key: AttentionKey) -> torch.Tensor:
         """Where attention writes: a shared buffer per variant and layer parity, so the next

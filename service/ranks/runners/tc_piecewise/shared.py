@@ -64,6 +64,7 @@ class CaptureState:
     capturing: bool = False
     piece_compiles: int = 0  # backend compiles of pieces (one per distinct piece structure)
     compiled: dict[tuple, Any] = field(default_factory=dict)  # piece signature -> callable
+    tape: list[Any] | None = None  # while capturing a bucket: its replay steps, in order
 
     def on_token_axis(self, t: Any) -> bool:
         """A tensor whose rows are the current bucket's tokens."""

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from service.errors import CaptureFailed
 from service.ranks.attention.custom_op import direct_attention
 
 _ATTENTION_TARGETS = (
@@ -56,6 +57,28 @@ def call_attention_directly(sub: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target in _ATTENTION_TARGETS[:2]:
             node.target = direct_attention
     sub.recompile()
+
+
+def check_tape_structure(split: fx.GraphModule) -> None:
+    """Raise unless the split graph's own code does nothing a replay tape would skip: its
+    top level only calls pieces and attention submodules and unpacks their outputs, and each
+    attention submodule is the attention call alone. (A tape replays the pieces' graphs and the
+    attention calls; anything else computed between them would be lost.)"""
+    for node in split.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            continue
+        if node.op == "call_module":
+            sub = split.get_submodule(node.target)
+            inner = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
+            if not is_attention_piece(sub) or (len(inner) == 1 and is_attention(inner[0])):
+                continue
+        raise CaptureFailed(
+            f"tc_piecewise: the traced forward computes {node.format_node()} between its "
+            "pieces; replays run the pieces' graphs and attention only (use --prefill-backend "
+            "breakable for this model)"
+        )
 
 
 def call_modules_directly(split: fx.GraphModule) -> None:
