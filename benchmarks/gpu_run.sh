@@ -119,6 +119,16 @@ for what in "$@"; do
         --profile "${PROFILE:-256}" ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
         ${KDIFF:+--kernel-diff $KDIFF} ${TIMELINE:+--timeline $TIMELINE} \
         --out "$RES/prefill.json" ;;
+    ab)
+      # the segment backends before and after a change, in one call: abtest/old holds the
+      # older tree's service/ (git archive <commit> service | tar x -C abtest/old; carry it)
+      for tree in old new; do
+        PP=$PYTHONPATH; [ $tree = old ] && PP="$PWD/abtest/old:$PYTHONPATH"
+        TAIL=14 step ab_$tree 240 env PYTHONPATH="$PP" python3 benchmarks/prefill_graphs.py \
+          --iters 20 --backends "${AB_BACKENDS:-breakable,tc_piecewise}" \
+          --buckets "${AB_BUCKETS:-16,64,256}" --kernel-count-buckets "${AB_BUCKETS:-16,64,256}" \
+          --out "$RES/ab_$tree.json"
+      done ;;
     launch)  # what a graph launch costs the host, and when the device starts it
       TAIL=20 step graph_launch 120 python3 benchmarks/graph_launch.py --out "$RES/graph_launch.json" ;;
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
