@@ -114,7 +114,7 @@ for what in "$@"; do
       # functions are printed; HF: token counts for HF transformers compiled; KDIFF: the bucket
       # whose kernels are compared eager against graph, one by one; TIMELINE: buckets whose
       # calls are placed on the profiler's clock (host work before the device starts, launch)
-      TAIL=40 step prefill 560 python3 benchmarks/prefill_graphs.py --iters 20 \
+      TAIL=40 step prefill ${PREFILL_LIMIT:-560} python3 benchmarks/prefill_graphs.py --iters 20 \
         ${BUCKETS:+--buckets $BUCKETS} --kernel-count-buckets "${COUNT:-16,256,2048,8192}" \
         --profile "${PROFILE:-256}" ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
         ${KDIFF:+--kernel-diff $KDIFF} ${TIMELINE:+--timeline $TIMELINE} \

@@ -283,6 +283,19 @@ def device_rates(device: torch.device, clocks: ClockSampler) -> dict:
     }
 
 
+def tape_steps(runner) -> str | None:
+    """A segment runner's replay tape of its largest bucket: graphs, attention calls, copies."""
+    buckets = runner.captured_buckets() if hasattr(runner, "captured_buckets") else ()
+    if not buckets:
+        return None
+    tape = runner._captured[max(buckets)]
+    tape = getattr(tape, "tape", tape)
+    if not hasattr(tape, "num_copies"):
+        return None
+    return (f"{len(tape.graphs)} graphs, {tape.num_attention_calls} attention calls, "
+            f"{tape.num_copies} copies")  # fmt: skip
+
+
 def prefill_flops(cfg, seq_lens: list[int]) -> float:
     if cfg.mla is not None:  # MoE: each token multiplies by its active parameters only
         m, moe = cfg.mla, cfg.moe
@@ -413,6 +426,7 @@ def main() -> int:
                 "reserved_growth_bytes": (torch.cuda.memory_reserved() - mem0) if mem0 else 0,
                 "num_buckets": len(stats) - len(failed),
                 "failed": failed,
+                "tape": tape_steps(worker.runner),
             }
             for stat in stats:
                 if not isinstance(stat, CaptureStat):
@@ -544,6 +558,7 @@ def main() -> int:
         print(
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "
             f"{c['extra_device_bytes'] / 2**20:.0f} MiB extra device memory, failed {c['failed']}"
+            + (f"; tape of the largest bucket: {c['tape']}" if c.get("tape") else "")
         )
     print(f"attention: {info.attention.name} ({info.attention.reason})")
     print(f"fused kernels: {info.kernels.name} ({info.kernels.reason})")

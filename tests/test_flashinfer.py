@@ -202,6 +202,9 @@ def test_graph_runners_match_eager(model_dir, eager_engine, backend):
         # and the ragged graphs were planned through FlashInfer's module call alone
         replans = g.executor.worker.setup.graph_attention._replans.values()
         assert any(r.fast for r in replans)
+    else:  # the segment backends plan fresh batches the same way, eager launches in between
+        planned = runner.attention.planned
+        assert planned is not None and any(r.fast for r in planned._replans.values())
     # 2,000 tokens over a 1,024-token chunk: the third prompt is split, and its second chunk
     # attends a cached prefix (the paged path; inside the graph for `full`)
     prompts = [[rng.randrange(384) for _ in range(500)] for _ in range(4)]

@@ -74,6 +74,9 @@ def test_ragged_calls_over_the_same_tensors_share_one_launch_whatever_the_layer(
     assert launch_groups(calls, shapes, any_layer=True) == ([0, 1], [0, 1, 0])
     # paged: each layer reads its own cache
     assert launch_groups(calls, shapes, any_layer=False) == ([0, 1, 2], [0, 1, 2])
+    # views made afresh over the same memory (tc_piecewise's pieces) are the same launch
+    again = AttendCalls((_call(q, k, v, 0, out0), _call(q[:], k.view(4, 8), v, 1, out0[:4])))
+    assert launch_groups(again, shapes, any_layer=True) == ([0], [0, 0])
     # another head shape is another launch
     shapes[AttentionKey(2)] = HeadShape(4, 1, 2, 0.5)
     assert launch_groups(calls, shapes, any_layer=True) == ([0, 1, 2], [0, 1, 2])

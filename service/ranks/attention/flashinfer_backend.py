@@ -270,20 +270,27 @@ def launch_groups(
     calls: AttendCalls, shapes: dict[AttentionKey, HeadShape], any_layer: bool
 ) -> tuple[list[int], list[int]]:
     """The calls that need a launch of their own (indices of the first of each group) and each
-    call's group. A group is the same tensors and head shape, and also the same layer unless
-    ``any_layer`` (attention that reads no layer state: ragged, over this pass's K/V)."""
+    call's group. A group is the same tensors (memory, shape, strides) and head shape, and also
+    the same layer unless ``any_layer`` (attention that reads no layer state: ragged, over this
+    pass's K/V)."""
     firsts: list[int] = []
     index: list[int] = []
     seen: dict[tuple, int] = {}
     for i, c in enumerate(calls.calls):
         layer = None if any_layer else c.key
-        sig = (id(c.q), id(c.k), id(c.v), id(c.out), shapes[c.key], layer)
+        # by memory, not by tensor object: tc_piecewise's pieces hand over fresh views of the
+        # same buffers at every layer (one launch each would be a FlashInfer run per layer)
+        sig = (*map(_where, (c.q, c.k, c.v, c.out)), shapes[c.key], layer)
         group = seen.get(sig)
         if group is None:
             group = seen[sig] = len(firsts)
             firsts.append(i)
         index.append(group)
     return firsts, index
+
+
+def _where(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def host_lengths(pl: PagedLayout) -> dict[str, Any]:
@@ -434,6 +441,38 @@ class FlashInferGraphAttention(FlashInferBase):
                 shape.num_heads, shape.num_kv_heads, shape.head_dim, 1,
                 causal=True, sm_scale=shape.scale, **dtypes, **host_lengths(pl),
             )  # fmt: skip
+
+    def ragged_launchers(self, bucket: int, calls: AttendCalls, num_real: int) -> list[Launcher]:
+        """Eager launches of the ragged wrappers of ``bucket`` over a segment runner's calls,
+        after :meth:`prepare` (``ragged``) planned this forward. Made once per bucket and kept:
+        in CUDA-graph mode a wrapper's plan buffers and plan info stay the same from plan to plan
+        (:class:`RaggedReplan` checks it), so the recorded kernel calls stay valid. Rows past
+        ``num_real`` (no request plans them) are zeroed in every output, once per forward."""
+        got = calls.memo.get(("graph", bucket))
+        if got is None:
+            firsts, index = launch_groups(calls, self.shapes, any_layer=True)
+            made = [self._ragged_direct(bucket, calls.calls[i]) for i in firsts]
+            outs = list({_where(c.out): c.out for c in calls.calls}.values())
+            got = calls.memo[("graph", bucket)] = ([made[g] for g in index], outs)
+        launches, outs = got
+        for out in outs:
+            if out.shape[0] > num_real:
+                out[num_real:].zero_()
+        return launches
+
+    def _ragged_direct(self, bucket: int, c: AttendCall) -> Launcher:
+        shape = self.shapes[c.key]
+        wrapper = self._wrappers.get((bucket, shape, "ragged"))
+        if wrapper is None:
+            raise RuntimeError(f"bucket {bucket} was not prepared before its launches")
+        spec, q3 = self.heads(c.q, c.key)
+        t, h, d = c.k.shape[0], spec.num_kv_heads, spec.head_dim
+        k3, v3, res = c.k.view(t, h, d), c.v.view(t, h, d), c.out.view(q3.shape)
+
+        def run() -> Any:
+            return wrapper.run(q3, k3, v3, out=res)
+
+        return recorded_launch(wrapper, run, execute=False) or run
 
     def bind(self, batch: ForwardBatch) -> BoundAttention:
         return self.bind_variant(batch, "paged")

@@ -31,8 +31,9 @@ from service.model.attention import BoundAttention
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
+from service.ranks.runners.segment_attention import SegmentAttention
 from service.ranks.runners.state_buffers import StateBuffers, place
-from service.ranks.runners.tape import Tape, bound
+from service.ranks.runners.tape import Tape
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class BreakableGraphRunner(GraphRunner):
 
         state = StateBuffers.allocate(self.model, t, self.device)
         self.seg = SegmentBuffers(state=state, attn=z(out_width), hidden=z(h))
+        self.attention = SegmentAttention(self.eager_attention, self.plan.capture_request_capacity)
 
     def _segment_fns(self, bucket: int, attention: BoundAttention) -> list:
         s, m = self.seg, self.model
@@ -88,6 +90,7 @@ class BreakableGraphRunner(GraphRunner):
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         real = tuple(n for n in capture_seq_lens if n > 0)
+        self.attention.capture(self.buffers, real, bucket)
         batch = self.buffers.load_synthetic(real, bucket, len(real))
         attention = self.eager_attention.bind(batch)
         # the segments store K/V through the static buffers' out_cache_loc, so the captured
@@ -120,12 +123,16 @@ class BreakableGraphRunner(GraphRunner):
         return list(self._captured[bucket].calls)
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
-        view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
+        view = self.attention.load(self.buffers, batch, bucket)
         # the first segment (embedding up to layer 0's attention inputs) needs no attention
         # plan: launched first, it runs while the host plans attention for this batch
         captured.calls[0].replay()
-        attention = self.eager_attention.bind(view)  # one plan per replay, not one per layer
-        return captured.tape.run(bound(attention))  # each layer: attention, the next segment
+        # one plan per replay, not one per layer; then each layer: attention, the next segment
+        return captured.tape.run(self.attention.launches(view, bucket, captured.tape.calls))
+
+    def forget(self, num_tokens: int) -> None:
+        super().forget(num_tokens)
+        self.attention.forget(num_tokens)
 
 
 @dataclass(frozen=True)

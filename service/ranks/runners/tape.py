@@ -7,8 +7,8 @@ torch's graph wrapper cost about as much host time per layer as the two launches
 the H200's host the segment backends were host-bound at small buckets (the device waited for
 every launch). A tape is recorded once per bucket, at capture, over the tensors the segments read
 and write (the same objects at every replay); at replay the bound attention resolves its calls
-once for the forward (:meth:`~service.ranks.attention.base.Bound.launchers`) and the tape runs
-the zero-argument calls in order.
+once for the forward (``segment_attention.py``) and the tape runs the zero-argument calls in
+order.
 
 The captured calls' ``replays`` counters are advanced after the tape ran, so tests and the
 hit/miss proof still see every graph that replayed.
@@ -23,7 +23,7 @@ import torch
 
 from service.errors import CaptureFailed
 from service.model.attention import AttendCall, AttentionKey, BoundAttention
-from service.ranks.attention.base import AttendCalls, Bound
+from service.ranks.attention.base import AttendCalls, Bound, Launcher
 from service.ranks.runners.graph_capture import CapturedCall
 
 
@@ -55,10 +55,15 @@ class Tape:
     def num_attention_calls(self) -> int:
         return len(self._attend_at)
 
-    def run(self, attention: Bound) -> torch.Tensor:
-        """Replay the bucket with this forward's attention; the final hidden states."""
+    @property
+    def num_copies(self) -> int:
+        return len(self._template) - len(self.graphs) - len(self._attend_at)
+
+    def run(self, launches: Sequence[Launcher]) -> torch.Tensor:
+        """Replay the bucket with this forward's attention launches (one per call of
+        ``calls``); the final hidden states."""
         ops = list(self._template)
-        for at, launch in zip(self._attend_at, attention.launchers(self.calls), strict=True):
+        for at, launch in zip(self._attend_at, launches, strict=True):
             ops[at] = launch
         for op in ops:
             op()  # type: ignore[misc]

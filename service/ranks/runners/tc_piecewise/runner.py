@@ -29,7 +29,8 @@ from service.ranks.attention.custom_op import OpAttention, attention_context
 from service.ranks.forward_batch import ForwardBatch
 from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
-from service.ranks.runners.tape import RecordingAttention, Tape, bound
+from service.ranks.runners.segment_attention import SegmentAttention
+from service.ranks.runners.tape import RecordingAttention, Tape
 from service.ranks.runners.tc_piecewise.pieces import PieceGraph
 from service.ranks.runners.tc_piecewise.shared import CaptureState, SharedBuffers
 from service.ranks.runners.tc_piecewise.split import (
@@ -70,6 +71,7 @@ class TcPiecewiseGraphRunner(GraphRunner):
             return None if spec.kind == MLA_NEW else kv[spec.kv_layer]
 
         self.op_attention = OpAttention(cache_for, self.buffers.out_cache_loc)
+        self.attention = SegmentAttention(self.eager_attention, self.plan.capture_request_capacity)
         self.state = CaptureState(
             buffers=SharedBuffers(self.buffers.max_tokens, self.device, static),
             device=self.device,
@@ -169,12 +171,14 @@ class TcPiecewiseGraphRunner(GraphRunner):
 
     def forget(self, num_tokens: int) -> None:
         super().forget(num_tokens)
+        self.attention.forget(num_tokens)
         self._results.pop(num_tokens, None)
         for piece in self._pieces:
             piece.captured.pop(num_tokens, None)
 
     def _capture(self, bucket: int, capture_seq_lens: tuple[int, ...]) -> Any:
         real = tuple(n for n in capture_seq_lens if n > 0)
+        self.attention.capture(self.buffers, real, bucket)
         batch = self.buffers.load_synthetic(real, bucket, len(real))
         first = self._compiled is None
         if first:
@@ -198,8 +202,8 @@ class TcPiecewiseGraphRunner(GraphRunner):
         return Tape(steps, self._results[bucket])
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
-        view = self.buffers.copy_from(batch, bucket, batch.layout.num_requests)
-        return captured.run(bound(self.eager_attention.bind(view)))
+        view = self.attention.load(self.buffers, batch, bucket)
+        return captured.run(self.attention.launches(view, bucket, captured.calls))
 
     def _attention_output(self, q: torch.Tensor, key: AttentionKey) -> torch.Tensor:
         """Where attention writes: a shared buffer per variant and layer parity, so the next
