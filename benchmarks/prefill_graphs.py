@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# after PYTHONPATH, so that the ab arm's older service/ (gpu_run.sh) is the one imported
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
