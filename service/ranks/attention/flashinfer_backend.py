@@ -177,24 +177,39 @@ class FlashInferAttention(FlashInferBase):
     ) -> Launcher:
         """The kernel call of ``c`` for this forward's plan, recorded without running it; the
         padded output rows zeroed now (the kernel writes the live rows only)."""
-        shape = self.shapes[c.key]
-        wrapper = wrappers[shape]
-        spec, q3 = self.heads(c.q, c.key)
-        res = output_buffer(q3, c.out, num_real)[:num_real]
-        if path == "ragged":  # strided q/k/v (columns of one qkv tensor), in place
-            t, h, d = c.k.shape[0], spec.num_kv_heads, spec.head_dim
-            args: tuple = (
-                q3[:num_real],
-                c.k.view(t, h, d)[:num_real],
-                c.v.view(t, h, d)[:num_real],
-            )
-        else:
-            args = (q3[:num_real], self._paged_cache(spec))
+        wrapper, args, res_real, _ = self._run_args(
+            path, wrappers, c.q, c.k, c.v, c.key, c.out, num_real
+        )
 
         def run() -> Any:
-            return wrapper.run(*args, out=res)
+            return wrapper.run(*args, out=res_real)
 
         return recorded_launch(wrapper, run, execute=False) or run
+
+    def _run_args(
+        self,
+        path: str,
+        wrappers: dict[HeadShape, Any],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key: AttentionKey,
+        out: torch.Tensor | None,
+        num_real: int,
+    ) -> tuple[Any, tuple, torch.Tensor, torch.Tensor]:
+        """What ``run`` of layer ``key`` over these tensors takes: its wrapper, the q/k/v (or
+        cache) views of the live rows, where it writes, and the (T, Hq*D) result. Padded
+        output rows are zeroed here (segment replays), once per call of this."""
+        shape = self.shapes[key]
+        spec, q3 = self.heads(q, key)
+        res = output_buffer(q3, out, num_real)
+        if path == "ragged":  # strided q/k/v (columns of one qkv tensor), in place
+            k3 = k.view(k.shape[0], spec.num_kv_heads, spec.head_dim)[:num_real]
+            v3 = v.view(v.shape[0], spec.num_kv_heads, spec.head_dim)[:num_real]
+            args: tuple = (q3[:num_real], k3, v3)
+        else:
+            args = (q3[:num_real], self._paged_cache(spec))
+        return wrappers[shape], args, res[:num_real], res.view(q.shape[0], -1)
 
     def _launcher(
         self,
@@ -209,7 +224,6 @@ class FlashInferAttention(FlashInferBase):
         """Attention of these tensors for any layer key: views and slices made once per head
         shape (ragged: layers of one shape share them) or per layer (paged: each layer's
         cache), and padded output rows zeroed once, not once per layer."""
-        n = q.shape[0]
         views: dict[tuple, list] = {}
 
         def launch(key: AttentionKey) -> torch.Tensor:
@@ -217,15 +231,8 @@ class FlashInferAttention(FlashInferBase):
             vkey = (shape, None) if path == "ragged" else (shape, key)
             got = views.get(vkey)
             if got is None:
-                spec, q3 = self.heads(q, key)
-                res = output_buffer(q3, out, num_real)  # padded rows (segment replays): zeros
-                if path == "ragged":  # strided q/k/v (columns of one qkv tensor), in place
-                    k3 = k.view(k.shape[0], spec.num_kv_heads, spec.head_dim)[:num_real]
-                    v3 = v.view(v.shape[0], spec.num_kv_heads, spec.head_dim)[:num_real]
-                    args: tuple = (q3[:num_real], k3, v3)
-                else:
-                    args = (q3[:num_real], self._paged_cache(spec))
-                got = views[vkey] = [wrappers[shape], args, res[:num_real], res.view(n, -1), None]
+                made = self._run_args(path, wrappers, q, k, v, key, out, num_real)
+                got = views[vkey] = [*made, None]
             wrapper, args, res_real, result, direct = got
             if direct is not None:  # the kernel call FlashInfer's run made for these views
                 direct()
