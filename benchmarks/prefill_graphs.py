@@ -555,6 +555,8 @@ def main() -> int:
                 if f"{be}_timeline" in rows[b]:
                     t = Timeline(**rows[b][f"{be}_timeline"])
                     print(f"{b:>6} {be[:12]:>12} {timeline_row(t)}")
+                    if be != "eager" and t.where:
+                        print(f"{'':>6} {'':>12} longest gaps: {t.where}")
     for be, c in captures.items():
         print(
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "

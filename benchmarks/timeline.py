@@ -20,6 +20,7 @@ import torch
 
 STEP = "timeline_step"
 GRAPH_LAUNCH = "cudaGraphLaunch"
+SHORT_GAP_US = 5.0
 LAUNCHES = (GRAPH_LAUNCH, "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
             "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync")  # fmt: skip
 
@@ -38,9 +39,16 @@ class Timeline:
     busy_us: float  # device op durations summed
     idle_us: float  # first op -> last op end, minus busy: the device waiting inside the call
     graph_launches: float  # graph launches per call
+    # idle split by gap length: many short gaps are launch boundaries the device pays for
+    # (graph to kernel, kernel to graph), a few long ones are the device waiting on the host
+    short_gaps_us: float = 0.0  # gaps under SHORT_GAP_US, summed
+    long_gaps_us: float = 0.0  # gaps of SHORT_GAP_US or more, summed
+    long_gaps: float = 0.0  # how many
+    # the longest gaps of one call (the call of median idle): "at+len after->before", us
+    where: str = ""
 
     def to_json(self) -> dict:
-        return {k: round(v, 1) for k, v in asdict(self).items()}
+        return {k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 def timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
@@ -114,6 +122,9 @@ def summarize(events: list) -> Timeline:
         first_op = ops[0].time_range.start
         end = max(d.time_range.end for d in ops)
         busy = sum(d.time_range.end - d.time_range.start for d in ops)
+        gaps = device_gaps(ops, t0)
+        short = [g for g in gaps if g[1] < SHORT_GAP_US]
+        long = [g for g in gaps if g[1] >= SHORT_GAP_US]
         nan = float("nan")
         g = graphs[0] if graphs else None
         after = [d for d in ops if g is not None and d.time_range.start >= g.time_range.start]
@@ -129,14 +140,44 @@ def summarize(events: list) -> Timeline:
             "busy_us": busy,
             "idle_us": (end - first_op) - busy,
             "graph_launches": float(len(graphs)),
+            "short_gaps_us": sum(g[1] for g in short),
+            "long_gaps_us": sum(g[1] for g in long),
+            "long_gaps": float(len(long)),
+            "where": " ".join(f"{at:.0f}+{n:.0f} {a[:18]}->{b[:18]}"
+                              for at, n, a, b in sorted(long, key=lambda g: -g[1])[:5]),
         })  # fmt: skip
     if not rows:
         raise RuntimeError("the profiler recorded no device ops inside the timed calls")
-    return Timeline(**{k: statistics.median(r[k] for r in rows) for k in rows[0]})
+    median_idle = sorted(rows, key=lambda r: r["idle_us"])[len(rows) // 2]
+    return Timeline(
+        **{k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "where"},
+        where=str(median_idle["where"]),
+    )
+
+
+def device_gaps(ops: list, t0: float) -> list[tuple[float, float, str, str]]:
+    """(start from t0, length, op before, op after) of each stretch the device sat idle
+    between two of the call's ops (us)."""
+    gaps = []
+    end, before = ops[0].time_range.end, ops[0].name
+    for d in ops[1:]:
+        if d.time_range.start > end:
+            gaps.append((end - t0, d.time_range.start - end, short_name(before),
+                         short_name(d.name)))  # fmt: skip
+        if d.time_range.end >= end:
+            end, before = d.time_range.end, d.name
+    return gaps
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without namespaces, templates and arguments."""
+    name = kernel.split("<")[0].split("(")[0]
+    return name.rsplit("::", 1)[-1] or kernel[:18]
 
 
 HEADER = (f"{'host':>7} {'1st launch':>10} {'graph at':>8} {'launch':>7} {'lag':>6} "
-          f"{'1st op':>7} {'dev end':>8} {'busy':>7} {'idle':>7} {'graphs':>6}")  # fmt: skip
+          f"{'1st op':>7} {'dev end':>8} {'busy':>7} {'idle':>7} {'graphs':>6} "
+          f"{'short':>6} {'long':>6} {'n':>3}")  # fmt: skip
 
 
 def row(t: Timeline) -> str:
@@ -146,4 +187,5 @@ def row(t: Timeline) -> str:
     return " ".join((f(t.host_us, 7), f(t.first_launch_us, 10), f(t.graph_launch_start_us, 8),
                      f(t.graph_launch_us, 7), f(t.graph_first_op_lag_us, 6), f(t.first_op_us, 7),
                      f(t.device_end_us, 8), f(t.busy_us, 7), f(t.idle_us, 7),
-                     f(t.graph_launches, 6)))  # fmt: skip
+                     f(t.graph_launches, 6), f(t.short_gaps_us, 6), f(t.long_gaps_us, 6),
+                     f(t.long_gaps, 3)))  # fmt: skip
