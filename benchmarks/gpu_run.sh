@@ -121,13 +121,17 @@ for what in "$@"; do
         --out "$RES/prefill.json" ;;
     ab)
       # the segment backends before and after a change, in one call: abtest/old holds the
-      # older tree's service/ (git archive <commit> service | tar x -C abtest/old; carry it)
-      for tree in old new; do
-        PP=$PYTHONPATH; [ $tree = old ] && PP="$PWD/abtest/old:$PYTHONPATH"
-        TAIL=14 step ab_$tree 240 env PYTHONPATH="$PP" python3 benchmarks/prefill_graphs.py \
-          --iters 20 --backends "${AB_BACKENDS:-breakable,tc_piecewise}" \
-          --buckets "${AB_BUCKETS:-16,64,256}" --kernel-count-buckets "${AB_BUCKETS:-16,64,256}" \
-          --out "$RES/ab_$tree.json"
+      # older tree's service/ (git archive <commit> service | tar x -C abtest/old; carry it);
+      # AB_TIMELINE: buckets placed on the profiler's clock in both arms
+      # AB_ROUNDS (default 1): old, new, old, new, ... so that a drifting host falls on both
+      for round in $(seq "${AB_ROUNDS:-1}"); do
+        for tree in old new; do
+          PP=$PYTHONPATH; [ $tree = old ] && PP="$PWD/abtest/old:$PYTHONPATH"
+          TAIL=14 step ab_${tree}_$round 240 env PYTHONPATH="$PP" python3 benchmarks/prefill_graphs.py \
+            --iters 20 --backends "${AB_BACKENDS:-breakable,tc_piecewise}" \
+            --buckets "${AB_BUCKETS:-16,64,256}" --kernel-count-buckets "${AB_BUCKETS:-16,64,256}" \
+            ${AB_TIMELINE:+--timeline $AB_TIMELINE} --out "$RES/ab_${tree}_$round.json"
+        done
       done ;;
     launch)  # what a graph launch costs the host, and when the device starts it
       TAIL=20 step graph_launch 120 python3 benchmarks/graph_launch.py --out "$RES/graph_launch.json" ;;

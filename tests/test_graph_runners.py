@@ -295,7 +295,7 @@ def test_full_captures_each_attention_variant_and_replays_the_one_a_layout_selec
         def graph_variant(self, layout):
             return "on_prefix" if any(layout.prefix_lens) else "fresh"
 
-        def prepare(self, batch, bucket, variant="fresh"):
+        def prepare(self, batch, bucket, variant="fresh", num_slots=None):
             self.prepared.append(variant)
 
     e = engine("full", buckets=(64,), full_request_slots=4)

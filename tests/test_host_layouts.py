@@ -119,3 +119,31 @@ def test_static_copy_refuses_a_batch_that_is_not_packed():
     bufs = PrefillStaticBuffers.allocate(8, 2, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"ForwardBatch\.build"):
         bufs.copy_from(dataclasses.replace(batch, packed=None), 8, 2)
+
+
+@pytest.mark.parametrize("extra_tokens", [0, 5])
+def test_token_copy_pads_the_token_rows_and_leaves_the_request_rows_alone(extra_tokens):
+    """The segment backends' load under planned attention: token rows as ``copy_from`` writes
+    them, the batch's own request tensors in the view (live requests only), and the static
+    request rows not written (their graphs read no request tensor)."""
+    from service.padding import PADDING_SLOT
+    from service.ranks.runners.static_buffers import PrefillStaticBuffers
+
+    layout = BatchLayout(ForwardMode.EXTEND, (3, 1), (0, 0), (4, 2))
+    batch = ForwardBatch.build(layout, list(range(100, 106)), list(range(200, 206)),
+                               torch.device("cpu"))  # fmt: skip
+    bufs = PrefillStaticBuffers.allocate(16, 4, torch.device("cpu"))
+    bufs.tokens.fill_(77)
+    bufs.requests.fill_(55)
+    bucket = 6 + extra_tokens
+    view = bufs.copy_tokens(batch, bucket)
+    assert view.input_ids.tolist() == list(range(100, 106)) + [0] * extra_tokens
+    assert view.positions.tolist() == [0, 1, 2, 3, 0, 1] + [0] * extra_tokens
+    assert view.out_cache_loc.tolist() == list(range(200, 206)) + [PADDING_SLOT] * extra_tokens
+    assert view.input_ids.data_ptr() == bufs.input_ids.data_ptr()  # what the graphs read
+    assert view.req_pool_indices.tolist() == [3, 1] and view.extend_lens.tolist() == [4, 2]
+    assert view.extend_start_loc.tolist() == [0, 4]
+    assert bufs.requests.unique().tolist() == [55]
+    assert bufs.tokens[:, bucket:].unique().tolist() == [77]  # nothing past the bucket
+    with pytest.raises(ValueError, match="does not fit bucket"):
+        bufs.copy_tokens(batch, 5)

@@ -22,11 +22,34 @@ from service.model.attention import AttendCall, AttentionKey
 from service.ranks.attention.base import AttendCalls, Bound
 from service.ranks.attention.flashinfer_backend import HeadShape, launch_groups
 from service.ranks.attention.recorded_launch import innermost, recorded_launch
-from service.ranks.runners.tape import RecordingAttention
+from service.ranks.runners.tape import RecordingAttention, Tape
 from service.ranks.runners.tc_piecewise.pieces import PieceGraph
 from service.ranks.runners.tc_piecewise.split import check_tape_structure
 from tests.batches import live_batch
 from tests.test_honest_replay import graph_cfg
+
+
+def test_a_tape_runs_its_first_graph_before_attention_is_planned():
+    """The first graph (embedding up to layer 0's attention inputs) needs no attention plan:
+    it is launched before the forward's attention is resolved, so the device runs it while the
+    host plans; then attention and graphs alternate, each call with its own launch."""
+    log: list[str] = []
+    t = torch.zeros(2, 4)
+    calls = [AttendCall(t, t, t, AttentionKey(i), t) for i in range(2)]
+
+    def step(name: str):
+        return lambda: log.append(name)
+
+    tape = Tape([step("graph0"), calls[0], step("graph1"), calls[1], step("graph2")], t)
+
+    def resolve():
+        log.append("plan")
+        return [step("attend0"), step("attend1")]
+
+    assert tape.run(resolve) is t
+    assert log == ["graph0", "plan", "attend0", "graph1", "attend1", "graph2"]
+    with pytest.raises(ValueError):  # one launch per attention call, no fewer
+        tape.run(lambda: [step("attend0")])
 
 
 @pytest.mark.parametrize("backend", ["breakable", "tc_piecewise"])

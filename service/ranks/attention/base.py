@@ -85,10 +85,18 @@ class AttentionBackend(ABC):
         """The variant whose graph serves a batch of this layout."""
         return self.graph_variants[0]
 
-    def prepare(self, batch: ForwardBatch, bucket: int, variant: str = "any") -> None:
+    # Whether a captured graph of this backend reads the batch's request tensors (request pool
+    # rows, prefix and extend lengths, starts). A backend that plans on the host from the
+    # layout into buffers of its own does not, and a replay then copies the token rows alone.
+    graph_reads_requests: bool = True
+
+    def prepare(
+        self, batch: ForwardBatch, bucket: int, variant: str = "any", num_slots: int | None = None
+    ) -> None:
         """Host-side planning before the graph of ``bucket`` (and ``variant``) is captured or
-        replayed over ``batch`` (outside the graph). Backends whose metadata is computed in-graph
-        need none."""
+        replayed over ``batch`` (outside the graph), over ``num_slots`` request slots (default:
+        the batch's request tensors' length). Backends whose metadata is computed in-graph need
+        none."""
         return None
 
     def bind_variant(self, batch: ForwardBatch, variant: str) -> BoundAttention:

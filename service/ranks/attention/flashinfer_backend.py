@@ -359,6 +359,7 @@ class FlashInferGraphAttention(FlashInferBase):
 
     name = "flashinfer_graph"
     graph_safe = True
+    graph_reads_requests = False  # layouts are planned from the host into the plan buffers
     graph_variants = ("ragged", "paged")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -424,8 +425,14 @@ class FlashInferGraphAttention(FlashInferBase):
             got = self._replans[key] = RaggedReplan(wrapper, bufs.indptrs, plan)
         return got
 
-    def prepare(self, batch: ForwardBatch, bucket: int, variant: str = "paged") -> None:
-        num_slots = batch.req_pool_indices.shape[0]
+    def prepare(
+        self, batch: ForwardBatch, bucket: int, variant: str = "paged", num_slots: int | None = None
+    ) -> None:
+        """Plan ``variant`` of ``bucket`` for this batch, over ``num_slots`` request slots
+        (default: the batch's request tensors' length; the ragged variant reads only the host
+        layout, so a caller that did not pad the request tensors passes the slots)."""
+        if num_slots is None:
+            num_slots = batch.req_pool_indices.shape[0]
         bufs = self._buffers_for(num_slots)
         layout = batch.layout
         if variant == "ragged":

@@ -20,6 +20,7 @@ arguments valid.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,22 +43,36 @@ class RaggedReplan:
         self.wrapper = wrapper
         self.indptrs = indptrs
         self._plan = plan
-        self._call: tuple[Callable[..., Any], list, dict, list[int], int] | None = None
-        self._info: list[int] | None = None
+        self._call: Callable[[], Any] | None = None  # the module's plan, arguments bound
+        self._info: Any = None  # the first plan's info, as the module returned it
         self._recorded = False  # the first plan was made, its module call recorded if it could
         self.fast = False  # whether the last plan took the fast path
-        self.pin = indptrs.device.type == "cuda"
+        cuda = indptrs.device.type == "cuda"
+        # one host buffer for every plan (a pinned allocation per plan cost the H200's host
+        # about 50 us before each replay): both indptr rows, then the KV lengths
+        n = indptrs.shape[1]
+        self._host, self._a = host_buffer(2 * n + (n - 1), torch.int32, cuda)
+        self._both, self._kv_lens = self._host[: 2 * n].view(2, n), self._host[2 * n :]
+        self._rows = self._a[: 2 * n].reshape(2, n)
+        # the last copy out of that buffer: it must be done before the buffer is rewritten (a
+        # replan may come while the previous one's copy is still queued behind a forward)
+        self._copied = torch.cuda.Event() if cuda else None
+        self._pending = False
 
     def __call__(self, lengths: np.ndarray) -> None:
         """Plan for requests of these query lengths (sentinels: 0), S of them."""
-        host, a = host_buffer(self.indptrs.numel() + lengths.shape[0], torch.int32, self.pin)
-        n = self.indptrs.shape[1]
-        rows = a[: 2 * n].reshape(2, n)
+        if lengths.shape[0] != self._kv_lens.shape[0]:
+            raise ValueError(
+                f"a plan of {lengths.shape[0]} request slots for a wrapper of "
+                f"{self._kv_lens.shape[0]}"
+            )
+        if self._pending and self._copied is not None:
+            self._copied.synchronize()  # done long ago in steady state: a query, no wait
+        rows, both, kv_lens = self._rows, self._both, self._kv_lens
         rows[:, 0] = 0
         np.cumsum(lengths, out=rows[0, 1:])
         rows[1] = rows[0]
-        a[2 * n :] = lengths
-        both, kv_lens = host[: 2 * n].view(2, n), host[2 * n :]
+        self._a[rows.size :] = lengths
         if self._call is None:
             self.fast = False
             if self._recorded:  # not recognised: every plan goes through FlashInfer
@@ -65,20 +80,25 @@ class RaggedReplan:
             else:
                 self._recorded = True
                 self._first(both[0], kv_lens)
+            self._mark_copied()  # FlashInfer copied the indptr from our buffer too
             return
-        method, args, kwargs, at_indptr, at_lens = self._call
-        for i in at_indptr:
-            args[i] = both[0]
-        args[at_lens] = kv_lens
         self.indptrs.copy_(both, non_blocking=True)  # the buffers the captured kernels read
-        info = method(*args, **kwargs)
-        if list(info) != self._info:
+        self._mark_copied()
+        info = self._call()  # its host arrays are views of our buffer: this batch's layout
+        # one structural comparison in the compiled library (FlashInfer returns an FFI array;
+        # converting it to a list cost tens of microseconds per plan)
+        if not bool(info == self._info):
             raise RuntimeError(
                 "FlashInfer's plan info changed between plans of one CUDA-graph wrapper; "
                 "its captured graph is no longer valid (run with --prefill-backend breakable)"
             )
         self.wrapper._plan_info = info
         self.fast = True
+
+    def _mark_copied(self) -> None:
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
 
     def _first(self, qo: torch.Tensor, kv_lens: torch.Tensor) -> None:
         self._plan(qo)  # picks the backend and installs the module
@@ -112,5 +132,9 @@ class RaggedReplan:
         ]  # fmt: skip
         if not at_indptr or len(at_lens) != 1:
             return
-        self._info = list(self.wrapper._plan_info)
-        self._call = (plan_fn, list(args), dict(kwargs), at_indptr, at_lens[0])
+        args = list(args)
+        args[at_lens[0]] = kv_lens  # FlashInfer's own copy of the lengths: ours from now on
+        # every argument is now fixed: the indptr and lengths are views of this replan's host
+        # buffer, rewritten before each call
+        self._info = self.wrapper._plan_info
+        self._call = functools.partial(plan_fn, *args, **kwargs)

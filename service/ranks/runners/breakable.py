@@ -15,9 +15,10 @@ updates the residual buffer in place, attention writes into the attention buffer
 kernel cannot work in place (the torch fallback, MLA's concatenated inputs), the segment copies
 its result there; graphs never hold per-bucket activations.
 
-A replay runs the first segment, plans attention, then the bucket's tape (``tape.py``): layer by
-layer, the attention kernel call and the next segment's graph launch, resolved once per forward,
-so between two graph launches the host makes the attention launch and nothing else.
+A replay runs the bucket's tape (``tape.py``): the first segment, then the attention plan (while
+the device runs that segment), then layer by layer the attention kernel call and the next
+segment's graph launch, resolved once per forward, so between two graph launches the host makes
+the attention launch and nothing else.
 """
 
 from __future__ import annotations
@@ -111,9 +112,9 @@ class BreakableGraphRunner(GraphRunner):
         views: tuple[torch.Tensor, ...],
         out: torch.Tensor,
     ) -> Tape:
-        """Everything after the first segment, flat: layer i's attention calls (the views and
-        output made once for the bucket), then segment i+1."""
-        steps: list[Any] = []
+        """The forward, flat: the first segment, then layer i's attention calls (the views and
+        output made once for the bucket) and segment i+1."""
+        steps: list[Any] = [captured[0]]
         for i, call in enumerate(captured[1:]):
             steps.extend(self.model.attend_calls(i, views, out))
             steps.append(call)
@@ -124,11 +125,11 @@ class BreakableGraphRunner(GraphRunner):
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.attention.load(self.buffers, batch, bucket)
+        tape = captured.tape
         # the first segment (embedding up to layer 0's attention inputs) needs no attention
-        # plan: launched first, it runs while the host plans attention for this batch
-        captured.calls[0].replay()
-        # one plan per replay, not one per layer; then each layer: attention, the next segment
-        return captured.tape.run(self.attention.launches(view, bucket, captured.tape.calls))
+        # plan: the tape launches it first, then plans once for the forward; then each layer:
+        # attention, the next segment
+        return tape.run(lambda: self.attention.launches(view, bucket, tape.calls))
 
     def forget(self, num_tokens: int) -> None:
         super().forget(num_tokens)
@@ -137,7 +138,7 @@ class BreakableGraphRunner(GraphRunner):
 
 @dataclass(frozen=True)
 class Segments:
-    """A bucket's captured segments and the tape that replays all but the first."""
+    """A bucket's captured segments and the tape that replays them."""
 
     calls: list[CapturedCall]
     tape: Tape

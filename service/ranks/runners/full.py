@@ -95,8 +95,11 @@ class FullGraphRunner(GraphRunner):
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         variant = self.graph_attention.graph_variant(batch.layout)
-        view = self.buffers.copy_from(batch, bucket, self.num_slots)
-        self.graph_attention.prepare(view, bucket, variant)
+        if self.graph_attention.graph_reads_requests:
+            view = self.buffers.copy_from(batch, bucket, self.num_slots)
+        else:  # attention plans from the host layout: the graphs read token rows only
+            view = self.buffers.copy_tokens(batch, bucket)
+        self.graph_attention.prepare(view, bucket, variant, self.num_slots)
         chain = captured[variant]
         for call in chain:
             call.replay()

@@ -41,14 +41,17 @@ class SegmentAttention:
             self.planned.forget(bucket)
 
     def load(self, buffers: PrefillStaticBuffers, batch: ForwardBatch, bucket: int) -> ForwardBatch:
-        """The live batch in the static buffers, its request axis as the launches need it."""
-        slots = self.num_slots if self._planned_for(batch) else batch.layout.num_requests
-        return buffers.copy_from(batch, bucket, slots)
+        """The live batch in the static buffers. Planned attention takes its layout from the
+        host and the segments read token rows only, so only those are copied; eager attention
+        binds to the request tensors too."""
+        if self._planned_for(batch):
+            return buffers.copy_tokens(batch, bucket)
+        return buffers.copy_from(batch, bucket, batch.layout.num_requests)
 
     def launches(self, view: ForwardBatch, bucket: int, calls: AttendCalls) -> Sequence[Launcher]:
         """This forward's launch of each call, planned for the batch in ``view``."""
         if self.planned is not None and self._planned_for(view):
-            self.planned.prepare(view, bucket, "ragged")
+            self.planned.prepare(view, bucket, "ragged", self.num_slots)
             return self.planned.ragged_launchers(bucket, calls, view.layout.num_tokens)
         return bound(self.eager.bind(view)).launchers(calls)
 

@@ -12,7 +12,7 @@ real tokens), which attention must treat as empty.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,11 @@ class PrefillStaticBuffers:
     tokens: torch.Tensor  # (3, Tmax) int64
     requests: torch.Tensor  # (4, Cmax) int64
     pad_token: torch.Tensor  # (3, 1) int64: a padded token's id, position and KV slot
+    # bucket -> its (input_ids, positions, out_cache_loc) slices, made once: slicing costs host
+    # time before every replay
+    _token_slices: dict[int, tuple[torch.Tensor, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @staticmethod
     def allocate(max_tokens: int, max_requests: int, device: torch.device) -> PrefillStaticBuffers:
@@ -73,6 +78,35 @@ class PrefillStaticBuffers:
                 f"batch of {n} tokens / {b} requests does not fit bucket {bucket} / "
                 f"{num_slots} slots (buffers {self.max_tokens} / {self.max_requests})"
             )
+        packed = self._copy_token_rows(batch, bucket)
+        self.requests[:, :b].copy_(packed[3 * n :].view(4, b))
+        self._sentinels(b, num_slots, n)
+        return self.view(batch.layout, bucket, num_slots)
+
+    def copy_tokens(self, batch: ForwardBatch, bucket: int) -> ForwardBatch:
+        """Copy only a real batch's token rows in (ids, positions, KV slots), padded to
+        ``bucket``: the view's request tensors are the batch's own (its live requests, no
+        sentinel slots). For graphs that read no request tensor (the segment backends' token-axis
+        graphs) under attention planned from the host layout: two device ops fewer than
+        :meth:`copy_from`, and no sentinel padding."""
+        if batch.num_tokens > bucket or bucket > self.max_tokens:
+            raise ValueError(
+                f"batch of {batch.num_tokens} tokens does not fit bucket {bucket} "
+                f"(buffers {self.max_tokens})"
+            )
+        self._copy_token_rows(batch, bucket)
+        got = self._token_slices.get(bucket)
+        if got is None:
+            got = self._token_slices[bucket] = (
+                self.input_ids[:bucket], self.positions[:bucket], self.out_cache_loc[:bucket]
+            )  # fmt: skip
+        return ForwardBatch(
+            batch.layout, *got, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
+            batch.extend_start_loc,
+        )  # fmt: skip
+
+    def _copy_token_rows(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+        n, b = batch.num_tokens, batch.layout.num_requests
         packed = batch.packed
         if packed is None or packed.numel() != 3 * n + 4 * b:
             raise ValueError("a replayed batch must be one built by ForwardBatch.build (packed)")
@@ -80,9 +114,7 @@ class PrefillStaticBuffers:
         self.tokens[:, :n].copy_(packed[: 3 * n].view(3, n))
         if bucket > n:
             self.tokens[:, n:bucket].copy_(self.pad_token.expand(3, bucket - n))
-        self.requests[:, :b].copy_(packed[3 * n :].view(4, b))
-        self._sentinels(b, num_slots, n)
-        return self.view(batch.layout, bucket, num_slots)
+        return packed
 
     def load_synthetic(
         self, capture_seq_lens: tuple[int, ...], bucket: int, num_slots: int

@@ -50,6 +50,10 @@ class Tape:
                 self._template.append(s.launcher())
             else:
                 self._template.append(s)
+        first = self._attend_at[0] if self._attend_at else len(self._template)
+        self._head = self._template[:first]
+        self._tail = self._template[first:]
+        self._tail_attend_at = [at - first for at in self._attend_at]
 
     @property
     def num_attention_calls(self) -> int:
@@ -59,11 +63,15 @@ class Tape:
     def num_copies(self) -> int:
         return len(self._template) - len(self.graphs) - len(self._attend_at)
 
-    def run(self, launches: Sequence[Launcher]) -> torch.Tensor:
-        """Replay the bucket with this forward's attention launches (one per call of
-        ``calls``); the final hidden states."""
-        ops = list(self._template)
-        for at, launch in zip(self._attend_at, launches, strict=True):
+    def run(self, resolve: Callable[[], Sequence[Launcher]]) -> torch.Tensor:
+        """Replay the bucket; the final hidden states. The steps before the first attention
+        call (the first graph: embedding up to layer 0's attention inputs) run first, then
+        ``resolve`` gives this forward's attention launches (one per call of ``calls``): the
+        device runs that graph while the host plans attention."""
+        for op in self._head:
+            op()  # type: ignore[misc]
+        ops = list(self._tail)
+        for at, launch in zip(self._tail_attend_at, resolve(), strict=True):
             ops[at] = launch
         for op in ops:
             op()  # type: ignore[misc]

@@ -203,7 +203,9 @@ class TcPiecewiseGraphRunner(GraphRunner):
 
     def _replay(self, bucket: int, captured: Any, batch: ForwardBatch) -> torch.Tensor:
         view = self.attention.load(self.buffers, batch, bucket)
-        return captured.run(self.attention.launches(view, bucket, captured.calls))
+        # the first piece runs before attention is planned (the device works while the host
+        # plans), then attention and the pieces in turn
+        return captured.run(lambda: self.attention.launches(view, bucket, captured.calls))
 
     def _attention_output(self, q: torch.Tensor, key: AttentionKey) -> torch.Tensor:
         """Where attention writes: a shared buffer per variant and layer parity, so the next
