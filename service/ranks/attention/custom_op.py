@@ -9,6 +9,12 @@ and keeps the store out of the attention node: when the traced graph is split at
 store lands at the end of the piece before it and is captured in that piece's graph, so the host
 work between two piece replays is the attention launch alone.
 
+When K and V have equal widths and go to a two-part cache (Llama's grouped-query attention), the
+pair is ``capture_service::store_kv_packed`` and ``capture_service::attention_packed`` over K and
+V concatenated into one (T, 2W) tensor: one piece output that inductor writes with one kernel,
+and one store kernel for K and V (``store_entries`` on its two column halves), where separate K
+and V outputs cost a store kernel each.
+
 The attention op finds the attention bound to the live batch (planned once per forward) in a
 context variable that the runner sets around each call (``with attention_context(...)``), scoped
 to the call, not global state. The runner may also hand over where attention writes its output
@@ -30,6 +36,11 @@ from service.ranks.kv_pool import store_entries
 
 OP_NAME = "capture_service::attention"
 STORE_OP_NAME = "capture_service::store_kv"
+# K and V of equal widths as one (T, 2W) tensor, K in its first W columns: what a compiled piece
+# hands over when a layer's K and V go to a two-part cache (one piece output, written by one
+# kernel, and one store kernel for both instead of one each)
+PACKED_OP_NAME = "capture_service::attention_packed"
+PACKED_STORE_OP_NAME = "capture_service::store_kv_packed"
 
 # (q, key) -> where attention of q writes, or None for a fresh tensor
 OutputFor = Callable[[torch.Tensor, AttentionKey], torch.Tensor | None]
@@ -114,6 +125,49 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant:
     return torch.empty_like(q)
 
 
+def unpack(kv_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a packed (T, 2W) tensor, as column views (no copy)."""
+    w = kv_new.shape[1] // 2
+    return kv_new[:, :w], kv_new[:, w:]
+
+
+def direct_attention_packed(
+    q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, variant: str, stored: torch.Tensor
+) -> torch.Tensor:
+    """:func:`direct_attention` over packed K/V (what the split graph calls at capture)."""
+    k, v = unpack(kv_new)
+    return direct_attention(q, k, v, layer_id, variant, stored)
+
+
+@torch.library.custom_op(PACKED_STORE_OP_NAME, mutates_args=())
+def store_kv_packed_op(kv_new: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    k, v = unpack(kv_new)
+    t, heads, dim = k.shape[0], kv.shape[2], kv.shape[3]
+    # side by side in every row: one index_copy for K and V (kv_pool.store_entries)
+    store_entries(kv, loc, k.view(t, heads, dim), v.view(t, heads, dim))
+    return kv_new.new_empty(0)
+
+
+@store_kv_packed_op.register_fake
+def _(kv_new: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor):
+    return kv_new.new_empty(0)
+
+
+@torch.library.custom_op(PACKED_OP_NAME, mutates_args=())
+def attention_packed_op(
+    q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, variant: str, stored: torch.Tensor
+) -> torch.Tensor:
+    out = direct_attention_packed(q, kv_new, layer_id, variant, stored)
+    aliases = any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                  for t in (q, kv_new))  # fmt: skip
+    return out.clone() if aliases else out
+
+
+@attention_packed_op.register_fake
+def _(q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, variant: str, stored):
+    return torch.empty_like(q)
+
+
 @contextmanager
 def attention_context(bound: BoundAttention, output_for: OutputFor | None = None) -> Iterator[None]:
     token = _current.set(AttentionCall(bound, output_for))
@@ -151,5 +205,12 @@ class OpAttention:
     ) -> torch.Tensor:
         ops = torch.ops.capture_service
         kv = self.cache_for(key)
-        stored = k.new_empty(0) if kv is None else ops.store_kv(k, v, kv, self.loc[: k.shape[0]])
+        loc = self.loc[: k.shape[0]]
+        if kv is not None and kv.shape[1] == 2 and k.shape == v.shape and k.dtype == v.dtype:
+            # K and V leave the piece as one tensor: inductor writes both with one kernel
+            # (fused into the rotary's), and the store is one kernel, not one per part
+            kv_new = torch.cat([k, v], dim=-1)
+            stored = ops.store_kv_packed(kv_new, kv, loc)
+            return ops.attention_packed(q, kv_new, key.layer_id, key.variant, stored)
+        stored = k.new_empty(0) if kv is None else ops.store_kv(k, v, kv, loc)
         return ops.attention(q, k, v, key.layer_id, key.variant, stored)

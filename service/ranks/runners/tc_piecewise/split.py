@@ -16,13 +16,17 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from service.errors import CaptureFailed
-from service.ranks.attention.custom_op import direct_attention
+from service.ranks.attention.custom_op import direct_attention, direct_attention_packed
 
-_ATTENTION_TARGETS = (
-    torch.ops.capture_service.attention.default,
-    torch.ops.capture_service.attention,
-    direct_attention,
-)
+# each attention custom op (the target dynamo records, default overload or packet) and the
+# plain function a split graph calls instead
+_DIRECT = {
+    torch.ops.capture_service.attention.default: direct_attention,
+    torch.ops.capture_service.attention: direct_attention,
+    torch.ops.capture_service.attention_packed.default: direct_attention_packed,
+    torch.ops.capture_service.attention_packed: direct_attention_packed,
+}
+_ATTENTION_TARGETS = (*_DIRECT, direct_attention, direct_attention_packed)
 
 
 def is_attention(node: fx.Node) -> bool:
@@ -54,8 +58,8 @@ def call_attention_directly(sub: fx.GraphModule) -> None:
     dispatcher round trip (schema checks, the fake-tensor registration, the alias check) is pure
     host overhead between two graph replays."""
     for node in sub.graph.nodes:
-        if node.op == "call_function" and node.target in _ATTENTION_TARGETS[:2]:
-            node.target = direct_attention
+        if node.op == "call_function" and node.target in _DIRECT:
+            node.target = _DIRECT[node.target]
     sub.recompile()
 
 
