@@ -240,15 +240,14 @@ def _graph(body) -> fx.Graph:
 def test_tc_piecewise_stores_k_and_v_of_a_layer_as_one_packed_tensor():
     """Llama's K and V (equal widths, two-part cache) leave each compiled piece as one tensor:
     one store op per layer (one kernel for both parts, not one each) and attention over its two
-    column halves; the cache a replay writes is the cache eager prefill writes, slot for slot."""
+    column halves. (That a replay's cache equals eager's is
+    test_graph_runners.py::test_tc_piecewise_stores_kv_inside_the_pieces.)"""
     from service.engine import Engine
     from service.ranks.runners.tc_piecewise.split import is_attention
 
     e = Engine(graph_cfg("tc_piecewise"))
     w = e.executor.worker
-    lens = (37, 60, 11)
-    batch = live_batch(w, lens, seed=5)
-    decision = decide_replay(e.resolved.plan, sum(lens), len(lens))
+    decision = decide_replay(e.resolved.plan, 108, 3)
     layers = w.model.cfg.num_hidden_layers
     split = w.runner._split
     subs = [getattr(m, "sub", m) for m in split.children()]  # a piece's traced graph
@@ -262,12 +261,3 @@ def test_tc_piecewise_stores_k_and_v_of_a_layer_as_one_packed_tensor():
     for c in tape.calls.calls:  # K and V: column halves of one tensor
         width = c.k.shape[1]
         assert c.v.data_ptr() == c.k.data_ptr() + width * c.k.element_size()
-    slots = batch.out_cache_loc.long()
-    with torch.inference_mode():
-        w.eager_runner.run(batch, decision)
-        want = [w.kv.kv[i][slots].clone() for i in range(layers)]
-        for i in range(layers):
-            w.kv.kv[i][slots] = 0
-        w.runner.run(batch, decision)
-        for i in range(layers):
-            assert torch.equal(w.kv.kv[i][slots], want[i]), f"layer {i}"
