@@ -87,3 +87,30 @@ def test_a_changed_plan_info_stops_the_replay_instead_of_running_a_stale_graph()
     w.info = [3, 1, 5]  # the schedule's layout in the workspace moved: the graph is invalid
     with pytest.raises(RuntimeError, match="plan info changed"):
         r(np.array([10, 0, 0, 0]))
+
+
+def test_a_replan_waits_for_the_previous_upload_before_rewriting_its_host_buffer():
+    """One pinned host buffer serves every plan, and its upload is asynchronous on CUDA: a
+    replan must wait for the previous plan's upload to finish before it writes the next layout
+    there (else the device could read a half-written indptr). Stand-in event on CPU: when the
+    wait happens, the buffer must still hold the previous layout."""
+    r, _, _ = replan()
+
+    class Event:
+        def __init__(self):
+            self.seen: list[list[int]] = []
+            self.recorded = 0
+
+        def record(self):
+            self.recorded += 1
+
+        def synchronize(self):
+            self.seen.append(r._both[0].tolist())  # what the pending upload reads
+
+    r._copied = event = Event()
+    layouts = ([40, 24, 0, 0], [10, 0, 0, 0], [5, 6, 7, 8])
+    for lens in layouts:
+        r(np.array(lens))
+    # every plan after the first waited, and found the previous plan's layout intact
+    assert event.seen == [offsets(layouts[0]), offsets(layouts[1])]
+    assert event.recorded == 3  # each plan's upload is marked
