@@ -36,9 +36,7 @@ from service.ranks.kv_pool import store_entries
 
 OP_NAME = "capture_service::attention"
 STORE_OP_NAME = "capture_service::store_kv"
-# K and V of equal widths as one (T, 2W) tensor, K in its first W columns: what a compiled piece
-# hands over when a layer's K and V go to a two-part cache (one piece output, written by one
-# kernel, and one store kernel for both instead of one each)
+# the same over K and V packed into one (T, 2W) tensor (the module docstring says when)
 PACKED_OP_NAME = "capture_service::attention_packed"
 PACKED_STORE_OP_NAME = "capture_service::store_kv_packed"
 
@@ -93,6 +91,13 @@ def direct_attention(
 def store_kv_op(
     k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor
 ) -> torch.Tensor:
+    return _store(k, v, kv, loc)
+
+
+def _store(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
+    """K and V (T, Hkv*D) into the layer's cache ``kv`` at the slots ``loc``; the empty token
+    the attention op takes. K and V side by side in every row (packed) are one kernel
+    (``store_entries``)."""
     t, heads, dim = k.shape[0], kv.shape[2], kv.shape[3]
     store_entries(kv, loc, k.view(t, heads, dim), v.view(t, heads, dim))
     return k.new_empty(0)
@@ -112,11 +117,15 @@ def attention_op(
     variant: str,
     stored: torch.Tensor,
 ) -> torch.Tensor:
-    out = direct_attention(q, k, v, layer_id, variant, stored)
-    # a custom op's output may not alias its inputs; backends return fresh tensors or the
-    # runner's output buffers, so the copy is only for one that hands back a view of an input
+    return _unaliased(direct_attention(q, k, v, layer_id, variant, stored), q, k, v)
+
+
+def _unaliased(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``out``, copied only if it shares memory with an input: a custom op's output may not
+    alias its inputs; backends return fresh tensors or the runner's output buffers, so the copy
+    is only for one that hands back a view of an input."""
     aliases = any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                  for t in (q, k, v))  # fmt: skip
+                  for t in inputs)  # fmt: skip
     return out.clone() if aliases else out
 
 
@@ -141,11 +150,7 @@ def direct_attention_packed(
 
 @torch.library.custom_op(PACKED_STORE_OP_NAME, mutates_args=())
 def store_kv_packed_op(kv_new: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-    k, v = unpack(kv_new)
-    t, heads, dim = k.shape[0], kv.shape[2], kv.shape[3]
-    # side by side in every row: one index_copy for K and V (kv_pool.store_entries)
-    store_entries(kv, loc, k.view(t, heads, dim), v.view(t, heads, dim))
-    return kv_new.new_empty(0)
+    return _store(*unpack(kv_new), kv, loc)
 
 
 @store_kv_packed_op.register_fake
@@ -157,10 +162,7 @@ def _(kv_new: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor):
 def attention_packed_op(
     q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, variant: str, stored: torch.Tensor
 ) -> torch.Tensor:
-    out = direct_attention_packed(q, kv_new, layer_id, variant, stored)
-    aliases = any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
-                  for t in (q, kv_new))  # fmt: skip
-    return out.clone() if aliases else out
+    return _unaliased(direct_attention_packed(q, kv_new, layer_id, variant, stored), q, kv_new)
 
 
 @attention_packed_op.register_fake
