@@ -40,28 +40,26 @@ class Tape:
         attend = [s for s in steps if isinstance(s, AttendCall)]
         self.calls = AttendCalls(tuple(attend))
         # the attention positions are filled per forward; the rest is fixed
-        self._template: list[Callable[[], Any] | None] = []
-        self._attend_at: list[int] = []
+        template: list[Callable[[], Any] | None] = []
+        attend_at: list[int] = []
         for s in steps:
             if isinstance(s, AttendCall):
-                self._attend_at.append(len(self._template))
-                self._template.append(None)
+                attend_at.append(len(template))
+                template.append(None)
             elif isinstance(s, CapturedCall):
-                self._template.append(s.launcher())
+                template.append(s.launcher())
             else:
-                self._template.append(s)
-        first = self._attend_at[0] if self._attend_at else len(self._template)
-        self._head = self._template[:first]
-        self._tail = self._template[first:]
-        self._tail_attend_at = [at - first for at in self._attend_at]
+                template.append(s)
+        self.num_copies = len(template) - len(self.graphs) - len(attend_at)
+        # what runs before the first attention call, then the rest with its attention slots
+        first = attend_at[0] if attend_at else len(template)
+        self._head = template[:first]
+        self._tail = template[first:]
+        self._tail_attend_at = [at - first for at in attend_at]
 
     @property
     def num_attention_calls(self) -> int:
-        return len(self._attend_at)
-
-    @property
-    def num_copies(self) -> int:
-        return len(self._template) - len(self.graphs) - len(self._attend_at)
+        return len(self.calls.calls)
 
     def run(self, resolve: Callable[[], Sequence[Launcher]]) -> torch.Tensor:
         """Replay the bucket; the final hidden states. The steps before the first attention
