@@ -44,7 +44,7 @@ class Timeline:
     short_gaps_us: float = 0.0  # gaps under SHORT_GAP_US, summed
     long_gaps_us: float = 0.0  # gaps of SHORT_GAP_US or more, summed
     long_gaps: float = 0.0  # how many
-    # the longest gaps of one call (the call of median idle): "at+len after->before", us
+    # the longest gaps of one call (the call of median idle): "at+len before->after", us
     where: str = ""
 
     def to_json(self) -> dict:
