@@ -9,7 +9,8 @@
 #                                                      # needed: warm-up skipped with NO_WARMUP=1),
 #                                                      # serve-si (SI=seconds: switch interval),
 #                                                      # gemm (linear layers alone),
-#                                                      # launch (graph launch cost)
+#                                                      # launch (graph launch cost),
+#                                                      # attn (FA2 against FA3 prefill)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 # Every log and result goes to $RES and is packed into $OUT/results.tgz after each step: the
@@ -135,6 +136,9 @@ for what in "$@"; do
       done ;;
     launch)  # what a graph launch costs the host, and when the device starts it
       TAIL=20 step graph_launch 120 python3 benchmarks/graph_launch.py --out "$RES/graph_launch.json" ;;
+    attn)  # FlashInfer's ragged prefill kernels, FA2 against FA3: device us per call, host plan us
+      TAIL=12 step attention_kernels 240 python3 benchmarks/attention_kernels.py \
+        --buckets "${ATTN_BUCKETS:-16,64,256,1024,2048,4096,8192}" --out "$RES/attention_kernels.json" ;;
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
       TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;
   esac
