@@ -114,10 +114,12 @@ for what in "$@"; do
       # busy and host issue times; PROFILE / HOSTPROF: the bucket whose kernels / host
       # functions are printed; HF: token counts for HF transformers compiled; KDIFF: the bucket
       # whose kernels are compared eager against graph, one by one; TIMELINE: buckets whose
-      # calls are placed on the profiler's clock (host work before the device starts, launch)
+      # calls are placed on the profiler's clock (host work before the device starts, launch);
+      # PROFILE_ROWS: kernels listed per profile; PREFILL_ARGS: more arguments, as they are
       TAIL=40 step prefill ${PREFILL_LIMIT:-560} python3 benchmarks/prefill_graphs.py --iters 20 \
         ${BUCKETS:+--buckets $BUCKETS} --kernel-count-buckets "${COUNT:-16,256,2048,8192}" \
-        --profile "${PROFILE:-256}" ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
+        --profile "${PROFILE:-256}" --profile-rows "${PROFILE_ROWS:-12}" ${PREFILL_ARGS:-} \
+        ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
         ${KDIFF:+--kernel-diff $KDIFF} ${TIMELINE:+--timeline $TIMELINE} \
         --out "$RES/prefill.json" ;;
     ab)

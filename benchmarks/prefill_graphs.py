@@ -208,8 +208,8 @@ def hf_compiled_ms(config: dict, tokens: int, iters: int) -> float:
         return timed(graph.replay, torch.device("cuda"), iters)
 
 
-def profile(title: str, fn) -> None:
-    """Top CUDA kernels of three calls (where the time goes)."""
+def profile(title: str, fn, rows: int = 12) -> None:
+    """Top ``rows`` CUDA kernels of three calls (where the time goes)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -221,7 +221,7 @@ def profile(title: str, fn) -> None:
         torch.cuda.synchronize()
     print(f"--- profile: {title} (3 calls)")
     averages = prof.key_averages()
-    print(averages.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
     print(f"--- host side: {title} (3 calls, by self CPU time)")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
 
@@ -350,6 +350,7 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this bucket")
+    ap.add_argument("--profile-rows", type=int, default=12, help="kernels listed per profile")
     ap.add_argument(
         "--host-profile", type=int, default=None, help="print host functions of this bucket"
     )
@@ -483,10 +484,10 @@ def main() -> int:
                 if cuda and b in timeline_buckets:
                     row[f"{backend}_timeline"] = timeline(graph_step).to_json()
                 if b == args.profile:
-                    profile(f"{backend} bucket {b}", graph_step)
+                    profile(f"{backend} bucket {b}", graph_step, args.profile_rows)
                     if f"eager_profiled_{b}" not in row:
                         row[f"eager_profiled_{b}"] = True
-                        profile(f"eager bucket {b}", eager_step)
+                        profile(f"eager bucket {b}", eager_step, args.profile_rows)
                 if b == args.host_profile and cuda:
                     host_profile(f"{backend} bucket {b}", graph_step)
                 out = graph_step()
