@@ -24,32 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gemm_shapes import graph_us  # device us per call inside one CUDA graph
 from service.buckets import partition_bucket
-
-
-def device_us(fn, calls: int, repeats: int) -> float:
-    """Median device microseconds of one ``fn()`` over ``repeats`` replays of a graph of
-    ``calls`` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def host_plan_us(plan, repeats: int) -> float:
@@ -81,7 +57,7 @@ def measure(
         )  # fmt: skip
 
     plan()
-    dev_us = device_us(lambda: w.run(q, k, v, out=out), args.calls, args.repeats)
+    dev_us = graph_us(lambda: w.run(q, k, v, out=out), args.calls, args.repeats)
     plan_us = host_plan_us(plan, args.repeats)
     plan()
     w.run(q, k, v, out=out)
