@@ -395,6 +395,8 @@ def main() -> int:
     rates = None
     worker = None
     cuda = torch.cuda.is_available()
+    if args.profile is not None and not cuda:
+        print(f"--profile {args.profile}: no CUDA device, no kernels to list; not profiled")
     count_buckets = {int(b) for b in args.kernel_count_buckets.split(",") if b.strip()}
     timeline_buckets = {int(b) for b in args.timeline.split(",") if b.strip()}
     clocks = ClockSampler().start() if cuda else ClockSampler()
@@ -483,7 +485,7 @@ def main() -> int:
                     row[f"{backend}_host_ms"] = host_ms(graph_step, args.iters)
                 if cuda and b in timeline_buckets:
                     row[f"{backend}_timeline"] = timeline(graph_step).to_json()
-                if b == args.profile:
+                if b == args.profile and cuda:  # the CUDA profiler's kernels
                     profile(f"{backend} bucket {b}", graph_step, args.profile_rows)
                     if f"eager_profiled_{b}" not in row:
                         row[f"eager_profiled_{b}"] = True
