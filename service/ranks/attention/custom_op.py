@@ -11,9 +11,9 @@ work between two piece replays is the attention launch alone.
 
 When K and V have equal widths and go to a two-part cache (Llama's grouped-query attention), the
 pair is ``capture_service::store_kv_packed`` and ``capture_service::attention_packed`` over K and
-V concatenated into one (T, 2W) tensor: one piece output that inductor writes with one kernel,
-and one store kernel for K and V (``store_entries`` on its two column halves), where separate K
-and V outputs cost a store kernel each.
+V concatenated into one (T, 2W) tensor: one piece output, and one store kernel for K and V
+(``store_entries`` on its two column halves), where separate K and V outputs cost a store kernel
+each.
 
 The attention op finds the attention bound to the live batch (planned once per forward) in a
 context variable that the runner sets around each call (``with attention_context(...)``), scoped
@@ -209,8 +209,9 @@ class OpAttention:
         kv = self.cache_for(key)
         loc = self.loc[: k.shape[0]]
         if kv is not None and kv.shape[1] == 2 and k.shape == v.shape and k.dtype == v.dtype:
-            # K and V leave the piece as one tensor: inductor writes both with one kernel
-            # (fused into the rotary's), and the store is one kernel, not one per part
+            # K and V leave the piece as one tensor, and the store is one kernel, not one per
+            # part (on the H200 under torch 2.11, inductor still rotates k in a kernel of its
+            # own before the one that writes the pair: docs/benchmarks.md, session 27, call E)
             kv_new = torch.cat([k, v], dim=-1)
             stored = ops.store_kv_packed(kv_new, kv, loc)
             return ops.attention_packed(q, kv_new, key.layer_id, key.variant, stored)
