@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gemm_shapes import graph_us  # device us per call inside one CUDA graph
+from benchmarks.timeline import host_ms  # host ms to issue one call from an idle device
 from service.buckets import partition_bucket
-
-
-def host_plan_us(plan, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        plan()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def measure(
@@ -58,7 +47,7 @@ def measure(
 
     plan()
     dev_us = graph_us(lambda: w.run(q, k, v, out=out), args.calls, args.repeats)
-    plan_us = host_plan_us(plan, args.repeats)
+    plan_us = host_ms(plan, args.repeats) * 1e3
     plan()
     w.run(q, k, v, out=out)
     return dev_us, plan_us, out.float()
