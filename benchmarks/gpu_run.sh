@@ -11,6 +11,9 @@
 #                                                      # gemm (linear layers alone),
 #                                                      # launch (graph launch cost),
 #                                                      # attn (FA2 against FA3 prefill)
+#
+# SAVE_FICACHE=1 returns FlashInfer's JIT-built modules ($OUT/ficache.tgz.*); joined into
+# .ficache/ficache.tgz and carried (.ficache, git-ignored), later calls skip their builds.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 # Every log and result goes to $RES and is packed into $OUT/results.tgz after each step: the
@@ -22,6 +25,20 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$HOME/site" .fiw/*.whl .gpuw/*.whl >"$RES/pip.txt" 2>&1 || { cat "$RES/pip.txt"; exit 1; }
 export PYTHONPATH="$HOME/site:$PWD"
+# FlashInfer's JIT builds of an earlier call, if carried (.ficache/ficache.tgz: <module>/<module>.so,
+# as SAVE_FICACHE=1 returns them): installed where FlashInfer looks for AOT modules, which it
+# loads without building; a module not among them is built as usual
+if [ -f .ficache/ficache.tgz ]; then
+  AOT=$(python3 -c "from flashinfer.jit import env; print(env.FLASHINFER_AOT_DIR)")
+  mkdir -p "$AOT" && tar xzf .ficache/ficache.tgz -C "$AOT" && echo "FlashInfer modules from .ficache: $(ls "$AOT" | wc -l)" | tee -a "$RES/gpu.txt"
+fi
+save_ficache() {  # the built JIT modules, for later calls to carry (16 MiB a returned file)
+  local jit list=$RES/ficache.list
+  jit=$(python3 -c "from flashinfer.jit import env; print(env.FLASHINFER_JIT_DIR)")
+  (cd "$jit" && for d in */; do n=${d%/}; [ -f "$n/$n.so" ] && echo "$n/$n.so"; done) >"$list"
+  tar czf - -C "$jit" -T "$list" | split -b 15m - "$OUT/ficache.tgz."
+  echo "saved $(wc -l <"$list") FlashInfer modules: $(du -cb "$OUT"/ficache.tgz.* | tail -1)"
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$RES/gpu.txt"
 
@@ -145,4 +162,5 @@ for what in "$@"; do
       TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;
   esac
 done
+[ -n "${SAVE_FICACHE:-}" ] && save_ficache
 pack

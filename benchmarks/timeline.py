@@ -46,6 +46,11 @@ class Timeline:
     long_gaps: float = 0.0  # how many
     # the longest gaps of one call (the call of median idle): "at+len before->after", us
     where: str = ""
+    # the front of that call, up to its first attention kernel: the host's launch calls
+    # ("name@start+duration") and the device's ops ("name@start+duration"), us from its start;
+    # what the host does between two launches is the time between them
+    front_host: str = ""
+    front_device: str = ""
 
     def to_json(self) -> dict:
         return {k: round(v, 1) if isinstance(v, float) else v for k, v in asdict(self).items()}
@@ -145,14 +150,37 @@ def summarize(events: list) -> Timeline:
             "long_gaps": float(len(long)),
             "where": " ".join(f"{at:.0f}+{n:.0f} {a[:18]}->{b[:18]}"
                               for at, n, a, b in sorted(long, key=lambda g: -g[1])[:5]),
+            **front(mine, ops, t0),
         })  # fmt: skip
     if not rows:
         raise RuntimeError("the profiler recorded no device ops inside the timed calls")
     median_idle = sorted(rows, key=lambda r: r["idle_us"])[len(rows) // 2]
+    text = ("where", "front_host", "front_device")
     return Timeline(
-        **{k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "where"},
-        where=str(median_idle["where"]),
+        **{k: statistics.median(r[k] for r in rows) for k in rows[0] if k not in text},
+        **{k: str(median_idle[k]) for k in text},
     )
+
+
+def front(launches: list, ops: list, t0: float) -> dict[str, str]:
+    """A call's launches and device ops up to its first attention kernel (at most 16 each)."""
+    first_attention = next((d.time_range.start for d in ops if "Prefill" in d.name), None)
+    end = ops[min(len(ops), 16) - 1].time_range.start
+    if first_attention is not None:
+        end = first_attention
+
+    def fmt(events: list, name: Callable[[str], str]) -> str:
+        shown = [e for e in events if e.time_range.start <= end][:16]
+        return " ".join(
+            f"{name(e.name)}@{e.time_range.start - t0:.0f}+"
+            f"{e.time_range.end - e.time_range.start:.0f}"
+            for e in shown
+        )
+
+    return {
+        "front_host": fmt(launches, lambda n: n.removeprefix("cuda")),
+        "front_device": fmt(ops, lambda n: short_name(n)[:18]),
+    }
 
 
 def device_gaps(ops: list, t0: float) -> list[tuple[float, float, str, str]]:

@@ -59,6 +59,33 @@ def test_server_info_reports_the_fused_kernels_next_to_attention():
     assert info["attention_backend"]["name"] == "torch"
 
 
+def test_compiled_rotary_of_the_whole_qkv_equals_the_reference_bit_for_bit():
+    """Compiled (``tc_piecewise`` pieces), rotary is one expression over the fused qkv with v's
+    heads passed through; eager, q and k are rotated apart. Same arithmetic per element: equal
+    bits, v untouched, q/k/v column slices of one tensor (what the packed attention ops take).
+    A formulation that rotated v, swapped the halves' signs or rotated the wrong heads fails."""
+    from service.model.arch_config import RopeScaling
+    from service.model.rotary import RotaryEmbedding
+
+    ref = Kernels()
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(32, 256, 1e4, RopeScaling())
+    positions = torch.randint(0, 256, (19,))
+    qkv = torch.randn(19, (4 + 2 * 2) * 32).to(torch.bfloat16)
+    sizes = (4 * 32, 2 * 32, 2 * 32)
+
+    def rotate(qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ref.rope_qkv(ref.rope_context(positions, rotary.cos_sin_cache), qkv, sizes, 32)
+
+    want = rotate(qkv.clone())
+    torch._dynamo.reset()
+    got = torch.compile(rotate, fullgraph=True)(qkv.clone())
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert torch.equal(got[2], qkv[:, -64:]) and not torch.equal(got[0], qkv[:, :128])
+    assert got[1].data_ptr() == got[0].data_ptr() + 128 * got[0].element_size()
+
+
 # ---- CUDA: each fused kernel against the reference -------------------------------------------
 FI_TOL = {"rms_norm": 2e-2, "add_rms_norm": 2e-2, "rope": 2e-2, "silu_and_mul": 2e-2}
 

@@ -237,11 +237,12 @@ def _graph(body) -> fx.Graph:
     return g
 
 
-def test_tc_piecewise_stores_k_and_v_of_a_layer_as_one_packed_tensor():
-    """Llama's K and V (equal widths, two-part cache) leave each compiled piece as one tensor:
-    one store op per layer (one kernel for both parts, not one each) and attention over its two
-    column halves. (That a replay's cache equals eager's is
-    test_graph_runners.py::test_tc_piecewise_stores_kv_inside_the_pieces.)"""
+def test_tc_piecewise_hands_q_k_and_v_of_a_layer_to_attention_as_one_tensor():
+    """Llama's q, K and V (equal K/V widths, two-part cache) leave each compiled piece as one
+    tensor, the rotated qkv projection: no cat of separately rotated parts in the traced pieces
+    beyond the split's own (which inductor removes), one store op per layer (one kernel for both
+    cache parts) and attention over the tensor's column slices. (That a replay's cache equals
+    eager's is test_graph_runners.py::test_tc_piecewise_stores_kv_inside_the_pieces.)"""
     from service.engine import Engine
     from service.ranks.runners.tc_piecewise.split import is_attention
 
@@ -253,11 +254,24 @@ def test_tc_piecewise_stores_k_and_v_of_a_layer_as_one_packed_tensor():
     subs = [getattr(m, "sub", m) for m in split.children()]  # a piece's traced graph
     targets = [n.target for sub in subs for n in sub.graph.nodes if n.op == "call_function"]
     names = [getattr(t, "__name__", str(t)) for t in targets]
-    assert sum("store_kv_packed" in n for n in names) == layers
+    assert sum("store_kv_qkv" in n for n in names) == layers
     assert not any(n.endswith("store_kv") or "store_kv." in n for n in names)
     attention = [n for sub in subs for n in sub.graph.nodes if is_attention(n)]
-    assert [n.target.__name__ for n in attention] == ["direct_attention_packed"] * layers
+    assert [n.target.__name__ for n in attention] == ["direct_attention_qkv"] * layers
+    # the cat that joins q, K and V reads the slices of one split, in order, and nothing else
+    # does: the pattern inductor replaces by the split tensor
+    joins = [
+        n
+        for sub in subs
+        for n in sub.graph.nodes
+        if n.target is torch.cat and any("store_kv_qkv" in str(u.target) for u in n.users)
+    ]  # rotate-half's own cat, inside the one rotary expression, is not one of them
+    assert len(joins) == layers
+    for cat in joins:
+        parts = cat.args[0]
+        assert [p.args[1] for p in parts] == [0, 1, 2]
+        assert len({p.args[0] for p in parts}) == 1 and all(len(p.users) == 1 for p in parts)
     tape = w.runner._captured[decision.bucket]
-    for c in tape.calls.calls:  # K and V: column halves of one tensor
-        width = c.k.shape[1]
-        assert c.v.data_ptr() == c.k.data_ptr() + width * c.k.element_size()
+    for c in tape.calls.calls:  # q, K and V: adjacent column ranges of one tensor
+        assert c.k.data_ptr() == c.q.data_ptr() + c.q.shape[1] * c.q.element_size()
+        assert c.v.data_ptr() == c.k.data_ptr() + c.k.shape[1] * c.k.element_size()

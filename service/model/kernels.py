@@ -57,6 +57,24 @@ class Kernels:
         k = _rotate(k.reshape(t, -1, head_dim), cos, sin).reshape(t, -1)
         return q, k
 
+    def rope_qkv(
+        self, ctx: object, qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv (T, Wq + Wk + Wv), the fused projection -> q and k rotated, v: column slices of
+        widths ``sizes``, rotated by :meth:`rope`.
+
+        Under ``torch.compile`` (``tc_piecewise`` pieces) the rotation is one elementwise
+        function of the whole qkv instead (v's heads pass through), and q, k, v are slices of
+        its result: inductor makes that one kernel, where q and k rotated apart and then joined
+        to v were three on the H200 (docs/benchmarks.md, session 27, call E). The arithmetic per
+        element is the same, so the results are bit-identical."""
+        if torch.compiler.is_compiling():
+            rotated = _rope_heads(ctx, qkv, (sizes[0] + sizes[1]) // head_dim, head_dim)
+            return rotated.split(sizes, dim=-1)
+        q, k, v = qkv.split(sizes, dim=-1)
+        q, k = self.rope(ctx, q, k, head_dim)
+        return q, k, v
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(T, 2I) -> silu(gate) * up, (T, I)."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -71,6 +89,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+def _rope_heads(ctx: object, x: torch.Tensor, rotated: int, head_dim: int) -> torch.Tensor:
+    """x (T, heads * D) with its first ``rotated`` heads rotated, the rest as they are."""
+    cos, sin = ctx  # type: ignore[misc]
+    t = x.shape[0]
+    heads = x.reshape(t, -1, head_dim)
+    index = torch.arange(heads.shape[1], device=x.device).view(1, -1, 1)
+    return torch.where(index < rotated, _rotate(heads, cos, sin), heads).reshape(t, -1)
 
 
 class FlashInferKernels(Kernels):

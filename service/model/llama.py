@@ -109,9 +109,8 @@ class Attention(nn.Module):
         column slices of it (no copies), rotated in place where the kernels do so.
         """
         qkv = self.qkv_proj(h, out=out)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.kernels.rope(rope, q, k, self.head_dim)
-        return q, k, v
+        sizes = (self.q_size, self.kv_size, self.kv_size)
+        return self.kernels.rope_qkv(rope, qkv, sizes, self.head_dim)
 
 
 class MLP(nn.Module):

@@ -10,10 +10,11 @@ store lands at the end of the piece before it and is captured in that piece's gr
 work between two piece replays is the attention launch alone.
 
 When K and V have equal widths and go to a two-part cache (Llama's grouped-query attention), the
-pair is ``capture_service::store_kv_packed`` and ``capture_service::attention_packed`` over K and
-V concatenated into one (T, 2W) tensor: one piece output, and one store kernel for K and V
-(``store_entries`` on its two column halves), where separate K and V outputs cost a store kernel
-each.
+pair is ``capture_service::store_kv_qkv`` and ``capture_service::attention_qkv`` over q, K and V
+as one (T, Wq + 2W) tensor, the rotated qkv projection they are column slices of: one piece
+output, one kernel that writes it, and one store kernel for K and V (``store_entries`` on its
+two adjacent column ranges). Separate outputs cost a kernel each: on the H200, session 27
+measured three for q rotated, k rotated and the K/V pair joined.
 
 The attention op finds the attention bound to the live batch (planned once per forward) in a
 context variable that the runner sets around each call (``with attention_context(...)``), scoped
@@ -36,9 +37,9 @@ from service.ranks.kv_pool import store_entries
 
 OP_NAME = "capture_service::attention"
 STORE_OP_NAME = "capture_service::store_kv"
-# the same over K and V packed into one (T, 2W) tensor (the module docstring says when)
-PACKED_OP_NAME = "capture_service::attention_packed"
-PACKED_STORE_OP_NAME = "capture_service::store_kv_packed"
+# the same over q, K and V as one (T, Wq + 2W) tensor (the module docstring says when)
+QKV_OP_NAME = "capture_service::attention_qkv"
+QKV_STORE_OP_NAME = "capture_service::store_kv_qkv"
 
 # (q, key) -> where attention of q writes, or None for a fresh tensor
 OutputFor = Callable[[torch.Tensor, AttentionKey], torch.Tensor | None]
@@ -134,40 +135,42 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, variant:
     return torch.empty_like(q)
 
 
-def unpack(kv_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a packed (T, 2W) tensor, as column views (no copy)."""
-    w = kv_new.shape[1] // 2
-    return kv_new[:, :w], kv_new[:, w:]
+def unpack(qkv: torch.Tensor, q_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, K and V of a packed (T, Wq + 2W) tensor, as column views (no copy)."""
+    w = (qkv.shape[1] - q_width) // 2
+    return qkv[:, :q_width], qkv[:, q_width : q_width + w], qkv[:, q_width + w :]
 
 
-def direct_attention_packed(
-    q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, variant: str, stored: torch.Tensor
+def direct_attention_qkv(
+    qkv: torch.Tensor, q_width: int, layer_id: int, variant: str, stored: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`direct_attention` over packed K/V (what the split graph calls at capture)."""
-    k, v = unpack(kv_new)
-    return direct_attention(q, k, v, layer_id, variant, stored)
+    """:func:`direct_attention` over packed q, K, V (what the split graph calls at replay)."""
+    return direct_attention(*unpack(qkv, q_width), layer_id, variant, stored)
 
 
-@torch.library.custom_op(PACKED_STORE_OP_NAME, mutates_args=())
-def store_kv_packed_op(kv_new: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor) -> torch.Tensor:
-    return _store(*unpack(kv_new), kv, loc)
-
-
-@store_kv_packed_op.register_fake
-def _(kv_new: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor):
-    return kv_new.new_empty(0)
-
-
-@torch.library.custom_op(PACKED_OP_NAME, mutates_args=())
-def attention_packed_op(
-    q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, variant: str, stored: torch.Tensor
+@torch.library.custom_op(QKV_STORE_OP_NAME, mutates_args=())
+def store_kv_qkv_op(
+    qkv: torch.Tensor, q_width: int, kv: torch.Tensor, loc: torch.Tensor
 ) -> torch.Tensor:
-    return _unaliased(direct_attention_packed(q, kv_new, layer_id, variant, stored), q, kv_new)
+    _, k, v = unpack(qkv, q_width)
+    return _store(k, v, kv, loc)
 
 
-@attention_packed_op.register_fake
-def _(q: torch.Tensor, kv_new: torch.Tensor, layer_id: int, variant: str, stored):
-    return torch.empty_like(q)
+@store_kv_qkv_op.register_fake
+def _(qkv: torch.Tensor, q_width: int, kv: torch.Tensor, loc: torch.Tensor):
+    return qkv.new_empty(0)
+
+
+@torch.library.custom_op(QKV_OP_NAME, mutates_args=())
+def attention_qkv_op(
+    qkv: torch.Tensor, q_width: int, layer_id: int, variant: str, stored: torch.Tensor
+) -> torch.Tensor:
+    return _unaliased(direct_attention_qkv(qkv, q_width, layer_id, variant, stored), qkv)
+
+
+@attention_qkv_op.register_fake
+def _(qkv: torch.Tensor, q_width: int, layer_id: int, variant: str, stored):
+    return qkv.new_empty(qkv.shape[0], q_width)
 
 
 @contextmanager
@@ -208,12 +211,16 @@ class OpAttention:
         ops = torch.ops.capture_service
         kv = self.cache_for(key)
         loc = self.loc[: k.shape[0]]
-        if kv is not None and kv.shape[1] == 2 and k.shape == v.shape and k.dtype == v.dtype:
-            # K and V leave the piece as one tensor, and the store is one kernel, not one per
-            # part (on the H200 under torch 2.11, inductor still rotates k in a kernel of its
-            # own before the one that writes the pair: docs/benchmarks.md, session 27, call E)
-            kv_new = torch.cat([k, v], dim=-1)
-            stored = ops.store_kv_packed(kv_new, kv, loc)
-            return ops.attention_packed(q, kv_new, key.layer_id, key.variant, stored)
+        if (
+            kv is not None and kv.shape[1] == 2 and k.shape == v.shape
+            and q.dtype == k.dtype == v.dtype and q.shape[0] == k.shape[0]
+        ):  # fmt: skip
+            # q, K and V leave the piece as one tensor. They are the slices of one split of the
+            # rotated projection (Kernels.rope_qkv), and inductor replaces a cat of a split's
+            # slices, all in order, by the split tensor itself (a post-grad pattern), so this
+            # cat costs nothing; were they anything else, it is a copy, still correct.
+            qkv = torch.cat([q, k, v], dim=-1)
+            stored = ops.store_kv_qkv(qkv, q.shape[1], kv, loc)
+            return ops.attention_qkv(qkv, q.shape[1], key.layer_id, key.variant, stored)
         stored = k.new_empty(0) if kv is None else ops.store_kv(k, v, kv, loc)
         return ops.attention(q, k, v, key.layer_id, key.variant, stored)

@@ -16,17 +16,17 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from service.errors import CaptureFailed
-from service.ranks.attention.custom_op import direct_attention, direct_attention_packed
+from service.ranks.attention.custom_op import direct_attention, direct_attention_qkv
 
 # each attention custom op (the target dynamo records, default overload or packet) and the
 # plain function a split graph calls instead
 _DIRECT = {
     torch.ops.capture_service.attention.default: direct_attention,
     torch.ops.capture_service.attention: direct_attention,
-    torch.ops.capture_service.attention_packed.default: direct_attention_packed,
-    torch.ops.capture_service.attention_packed: direct_attention_packed,
+    torch.ops.capture_service.attention_qkv.default: direct_attention_qkv,
+    torch.ops.capture_service.attention_qkv: direct_attention_qkv,
 }
-_ATTENTION_TARGETS = (*_DIRECT, direct_attention, direct_attention_packed)
+_ATTENTION_TARGETS = (*_DIRECT, direct_attention, direct_attention_qkv)
 
 
 def is_attention(node: fx.Node) -> bool:
