@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from service.errors import CapacityError
-from service.ranks.kv_pool import resolve_max_running_requests
+from service.ranks.kv_pool import _words, resolve_max_running_requests, store_entries
 from service.ranks.sampler import sample
 from service.sampling import SamplingError, SamplingParams
 
@@ -150,3 +150,32 @@ def test_switch_interval_default_override_and_refusal(monkeypatch):
         monkeypatch.setenv("CAPTURE_SERVICE_SWITCH_INTERVAL_S", bad)
         with pytest.raises(SystemExit, match=r"give seconds in \(0, 0.1\]"):
             switch_interval_s()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "dim", "wide"),
+    [(torch.bfloat16, 2, 8, True), (torch.float32, 1, 6, True), (torch.float16, 1, 3, False)],
+)
+def test_kv_store_writes_each_token_to_its_slot_as_a_plain_copy_would(dtype, heads, dim, wide):
+    """K and V as adjacent column slices of one qkv tensor (the model's layout) and as separate
+    tensors, into a two-part and a one-part cache: every slot equals the token written to it,
+    bit for bit, and untouched slots stay zero. Rows of 16 bytes and more move as 8-byte words;
+    rows of 6 bytes (fp16, head dim 3) cannot and take the element copy. A word copy that
+    misplaced a row, mixed K and V or wrote past a row fails."""
+    torch.manual_seed(0)
+    t, q_width, width = 5, 3 * heads * dim, heads * dim
+    qkv = torch.randn(t, q_width + 2 * width).to(dtype)
+    k = qkv[:, q_width : q_width + width].view(t, heads, dim)
+    v = qkv[:, q_width + width :].view(t, heads, dim)
+    loc = torch.tensor([7, 2, 9, 0, 4])
+    for k_in, v_in in [(k, v), (k.clone(), v.clone())]:  # adjacent slices, then apart
+        kv = torch.zeros(11, 2, heads, dim, dtype=dtype)
+        store_entries(kv, loc, k_in, v_in)
+        for i, slot in enumerate(loc.tolist()):
+            assert torch.equal(kv[slot, 0], k[i]) and torch.equal(kv[slot, 1], v[i])
+        others = [s for s in range(11) if s not in loc.tolist()]
+        assert not kv[others].any()
+    one = torch.zeros(11, 1, heads, dim, dtype=dtype)  # MLA's one-part layout: K alone
+    store_entries(one, loc, k, k)
+    assert all(torch.equal(one[s, 0], k[i]) for i, s in enumerate(loc.tolist()))
+    assert (_words(kv) is not None) == wide and (_words(k) is not None) == wide

@@ -129,14 +129,46 @@ def store_entries(kv: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch
     """One layer's cache (num_slots+1, parts, Hkv, D): each token's K and V (T, Hkv, D) to its
     slot ``loc`` (T,); a one-part layout (MLA) keeps k alone."""
     if kv.shape[1] == 1:  # one entry: v is k
-        kv[:, 0].index_copy_(0, loc, k.to(kv.dtype))
+        copy_rows(kv[:, 0], loc, k.to(kv.dtype))
         return
     both = side_by_side(k, v)
     if both is not None and both.dtype == kv.dtype:
-        kv.index_copy_(0, loc, both)  # one kernel for K and V
+        copy_rows(kv, loc, both)  # one kernel for K and V
         return
-    kv[:, 0].index_copy_(0, loc, k.to(kv.dtype))
-    kv[:, 1].index_copy_(0, loc, v.to(kv.dtype))
+    copy_rows(kv[:, 0], loc, k.to(kv.dtype))
+    copy_rows(kv[:, 1], loc, v.to(kv.dtype))
+
+
+def copy_rows(dst: torch.Tensor, loc: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[loc[i]] = src[i]`` for every row i, as 8-byte words where both layouts allow it.
+
+    Why: torch's indexed copy computes an offset per element, so its cost goes with the element
+    count, not the bytes; bf16 rows moved as int64 words are a quarter of the elements (the
+    2,048-token forward's K/V stores took 5.3 us a layer as bf16 elements on the H200, against
+    about 1 us of bytes at the copy rate). Same bytes, so the same result bit for bit."""
+    wide_dst, wide_src = _words(dst), _words(src)
+    if wide_dst is not None and wide_src is not None and wide_dst.shape[1] == wide_src.shape[1]:
+        wide_dst.index_copy_(0, loc, wide_src)
+    else:
+        dst.index_copy_(0, loc, src)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """t (N, ...) as an (N, W) view of 8-byte words, or None where its layout does not allow
+    one (rows not contiguous, or their size, stride or offset not a multiple of 8 bytes)."""
+    if t.dim() < 2 or t.shape[0] == 0:
+        return None
+    row = t.numel() // t.shape[0] * t.element_size()
+    if (
+        row % 8
+        or (t.stride(0) * t.element_size()) % 8
+        or (t.storage_offset() * t.element_size()) % 8
+    ):
+        return None
+    try:
+        return t.view(t.shape[0], -1).view(torch.int64)
+    except RuntimeError:  # the rows are not one contiguous run each
+        return None
 
 
 def side_by_side(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
