@@ -8,6 +8,11 @@ host time of each kernel's plan, on the layouts the capture service builds (one 
 the context length, then requests of the context length).
 
     python benchmarks/attention_kernels.py --buckets 16,64,256,1024,2048,4096,8192
+
+``--replan`` adds, per kernel, what the service's own replan costs the host before each
+forward (``RaggedReplan`` on a CUDA-graph wrapper, as ``full`` and the segment backends plan):
+the whole call, and two of its parts timed alone, FlashInfer's compiled plan call and our copy
+of the indptrs to the device. What is left is our Python around them.
 """
 
 from __future__ import annotations
@@ -53,6 +58,47 @@ def measure(
     return dev_us, plan_us, out.float()
 
 
+def replan_costs(
+    kern: str, lengths: list[int], heads: tuple[int, int, int], args: argparse.Namespace
+) -> dict[str, float]:
+    """Host us of the service's replan for these lengths (8 request slots, sentinels 0), and of
+    its module call and indptr copy alone; all from an idle device (``host_ms``)."""
+    import flashinfer
+    import numpy as np
+
+    from service.ranks.attention.flashinfer_backend import GraphPlanBuffers
+    from service.ranks.attention.flashinfer_replan import RaggedReplan
+
+    hq, hkv, d = heads
+    dev = torch.device("cuda")
+    bufs = GraphPlanBuffers.allocate(8, args.context_length, dev)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs.qo_indptr,
+        kv_indptr_buf=bufs.kv_indptr, backend=kern,
+    )  # fmt: skip
+    w.reset_workspace_buffer(ws, bufs.int_workspace)
+
+    def plan(qo: torch.Tensor) -> None:
+        w.plan(qo, qo, hq, hkv, d, causal=True,
+               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
+
+    replan = RaggedReplan(w, bufs.indptrs, plan)
+    lens = np.zeros(8, dtype=np.int64)
+    lens[: len(lengths)] = lengths
+    replan(lens)  # through FlashInfer, recording its module call
+    replan(lens)
+    if not replan.fast or replan._call is None:
+        return {"replan_fast": 0.0}
+    call, both = replan._call, replan._both
+    return {
+        "replan_fast": 1.0,
+        "replan_us": host_ms(lambda: replan(lens), args.repeats) * 1e3,
+        "module_us": host_ms(call, args.repeats) * 1e3,
+        "copy_us": host_ms(lambda: bufs.indptrs.copy_(both, non_blocking=True), args.repeats) * 1e3,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--buckets", default="16,64,256,1024,2048,4096,8192")
@@ -61,6 +107,7 @@ def main() -> int:
     ap.add_argument("--kernels", default="fa2,fa3")
     ap.add_argument("--calls", type=int, default=28, help="calls per graph (the model's layers)")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--replan", action="store_true", help="the service's replan, and its parts")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import flashinfer
@@ -85,11 +132,20 @@ def main() -> int:
             w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=kern)
             dev_us, plan_us, outs[kern] = measure(w, qo, qkv, (hq, hkv, d), args)
             row[f"{kern}_us"], row[f"{kern}_plan_us"] = dev_us, plan_us
+            if args.replan:
+                costs = replan_costs(kern, lengths, (hq, hkv, d), args)
+                row.update({f"{kern}_{k}": v for k, v in costs.items()})
         if len(outs) == 2:
             a, b = outs.values()
             row["max_abs_diff"] = (a - b).abs().max().item()
         rows.append(row)
         cells = " ".join(f"{row[k + '_us']:>9.2f} {row[k + '_plan_us']:>9.1f}" for k in kernels)
+        for k in kernels if args.replan else []:  # replan us: whole / module call / our copy
+            if row.get(f"{k}_replan_fast"):
+                whole, module, copy = (row[f"{k}_{p}_us"] for p in ("replan", "module", "copy"))
+                cells += f"  {k} replan {whole:.1f} = module {module:.1f} + copy {copy:.1f} + rest"
+            else:
+                cells += f"  {k} replan: no fast path"
         diff = f"  max diff {row['max_abs_diff']:.4f}" if "max_abs_diff" in row else ""
         print(f"{bucket:>6} {len(lengths):>4} {cells}{diff}", flush=True)
     if args.out:

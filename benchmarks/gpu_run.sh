@@ -155,9 +155,11 @@ for what in "$@"; do
       done ;;
     launch)  # what a graph launch costs the host, and when the device starts it
       TAIL=20 step graph_launch 120 python3 benchmarks/graph_launch.py --out "$RES/graph_launch.json" ;;
-    attn)  # FlashInfer's ragged prefill kernels, FA2 against FA3: device us per call, host plan us
+    attn)  # FlashInfer's ragged prefill kernels, FA2 against FA3: device us per call, host plan us;
+      # ATTN_ARGS: more arguments, e.g. "--kernels fa3 --replan" (the service's replan and its parts)
       TAIL=12 step attention_kernels 240 python3 benchmarks/attention_kernels.py \
-        --buckets "${ATTN_BUCKETS:-16,64,256,1024,2048,4096,8192}" --out "$RES/attention_kernels.json" ;;
+        --buckets "${ATTN_BUCKETS:-16,64,256,1024,2048,4096,8192}" ${ATTN_ARGS:-} \
+        --out "$RES/attention_kernels.json" ;;
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
       TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;
   esac
