@@ -66,8 +66,9 @@ class Kernels:
         Under ``torch.compile`` (``tc_piecewise`` pieces) the rotation is one elementwise
         function of the whole qkv instead (v's heads pass through), and q, k, v are slices of
         its result: inductor makes that one kernel, where q and k rotated apart and then joined
-        to v were three on the H200 (docs/benchmarks.md, session 27, call E). The arithmetic per
-        element is the same, so the results are bit-identical."""
+        to v were three on the H200 (docs/benchmarks.md, session 27, call E; session 28: 313
+        kernels a forward instead of 369). The arithmetic per element is the same, so the
+        results are bit-identical."""
         if torch.compiler.is_compiling():
             rotated = _rope_heads(ctx, qkv, (sizes[0] + sizes[1]) // head_dim, head_dim)
             return rotated.split(sizes, dim=-1)

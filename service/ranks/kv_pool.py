@@ -143,9 +143,10 @@ def copy_rows(dst: torch.Tensor, loc: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[loc[i]] = src[i]`` for every row i, as 8-byte words where both layouts allow it.
 
     Why: torch's indexed copy computes an offset per element, so its cost goes with the element
-    count, not the bytes; bf16 rows moved as int64 words are a quarter of the elements (the
-    2,048-token forward's K/V stores took 5.3 us a layer as bf16 elements on the H200, against
-    about 1 us of bytes at the copy rate). Same bytes, so the same result bit for bit."""
+    count, not the bytes; bf16 rows moved as int64 words are a quarter of the elements. On the
+    H200 a 2,048-token forward's K/V store went from 5.3 to 3.5 us a layer (about 1 us of bytes
+    at the copy rate; docs/benchmarks.md, session 28). Same bytes, so the same result bit for
+    bit."""
     wide_dst, wide_src = _words(dst), _words(src)
     if wide_dst is not None and wide_src is not None and wide_dst.shape[1] == wide_src.shape[1]:
         wide_dst.index_copy_(0, loc, wide_src)
