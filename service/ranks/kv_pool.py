@@ -148,27 +148,20 @@ def copy_rows(dst: torch.Tensor, loc: torch.Tensor, src: torch.Tensor) -> None:
     at the copy rate; docs/benchmarks.md, session 28). Same bytes, so the same result bit for
     bit."""
     wide_dst, wide_src = _words(dst), _words(src)
-    if wide_dst is not None and wide_src is not None and wide_dst.shape[1] == wide_src.shape[1]:
+    if wide_dst is not None and wide_src is not None and wide_dst.shape[1:] == wide_src.shape[1:]:
         wide_dst.index_copy_(0, loc, wide_src)
     else:
         dst.index_copy_(0, loc, src)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
-    """t (N, ...) as an (N, W) view of 8-byte words, or None where its layout does not allow
-    one (rows not contiguous, or their size, stride or offset not a multiple of 8 bytes)."""
-    if t.dim() < 2 or t.shape[0] == 0:
-        return None
-    row = t.numel() // t.shape[0] * t.element_size()
-    if (
-        row % 8
-        or (t.stride(0) * t.element_size()) % 8
-        or (t.storage_offset() * t.element_size()) % 8
-    ):
-        return None
+    """t as a view of 8-byte words (its last dim a quarter as long for bf16), or None where its
+    layout does not allow one: torch refuses unless the last dim is contiguous and every size in
+    bytes, stride and offset is a multiple of 8. One view, no reshape: this runs on the host
+    for every store of an eager forward, a layer at a time."""
     try:
-        return t.view(t.shape[0], -1).view(torch.int64)
-    except RuntimeError:  # the rows are not one contiguous run each
+        return t.view(torch.int64)
+    except RuntimeError:
         return None
 
 
