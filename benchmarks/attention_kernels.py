@@ -32,6 +32,19 @@ from benchmarks.timeline import host_ms  # host ms to issue one call from an idl
 from service.buckets import partition_bucket
 
 
+def ragged_plan(w: Any, heads: tuple[int, int, int]) -> Any:
+    """The causal bf16 plan of wrapper ``w`` for a host query indptr (K/V ranges the same)."""
+    hq, hkv, d = heads
+
+    def plan(qo: torch.Tensor) -> None:
+        w.plan(
+            qo, qo, hq, hkv, d, causal=True,
+            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        )  # fmt: skip
+
+    return plan
+
+
 def measure(
     w: Any,
     qo: torch.Tensor,
@@ -40,15 +53,12 @@ def measure(
     args: argparse.Namespace,
 ) -> tuple[float, float, torch.Tensor]:
     """One wrapper's device us per call, host us per plan, and its output."""
-    hq, hkv, d = heads
     q, k, v = qkv
     out = torch.empty_like(q)
+    planned = ragged_plan(w, heads)
 
     def plan() -> None:
-        w.plan(
-            qo, qo, hq, hkv, d, causal=True,
-            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-        )  # fmt: skip
+        planned(qo)
 
     plan()
     dev_us = graph_us(lambda: w.run(q, k, v, out=out), args.calls, args.repeats)
@@ -69,7 +79,6 @@ def replan_costs(
     from service.ranks.attention.flashinfer_backend import GraphPlanBuffers
     from service.ranks.attention.flashinfer_replan import RaggedReplan
 
-    hq, hkv, d = heads
     dev = torch.device("cuda")
     bufs = GraphPlanBuffers.allocate(8, args.context_length, dev)
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
@@ -78,12 +87,7 @@ def replan_costs(
         kv_indptr_buf=bufs.kv_indptr, backend=kern,
     )  # fmt: skip
     w.reset_workspace_buffer(ws, bufs.int_workspace)
-
-    def plan(qo: torch.Tensor) -> None:
-        w.plan(qo, qo, hq, hkv, d, causal=True,
-               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)  # fmt: skip
-
-    replan = RaggedReplan(w, bufs.indptrs, plan)
+    replan = RaggedReplan(w, bufs.indptrs, ragged_plan(w, heads))
     lens = np.zeros(8, dtype=np.int64)
     lens[: len(lengths)] = lengths
     replan(lens)  # through FlashInfer, recording its module call

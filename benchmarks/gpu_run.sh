@@ -25,6 +25,8 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$HOME/site" .fiw/*.whl .gpuw/*.whl >"$RES/pip.txt" 2>&1 || { cat "$RES/pip.txt"; exit 1; }
 export PYTHONPATH="$HOME/site:$PWD"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
+python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$RES/gpu.txt"
 # FlashInfer's JIT builds of an earlier call, if carried (.ficache/ficache.tgz: <module>/<module>.so,
 # as SAVE_FICACHE=1 returns them): installed where FlashInfer looks for AOT modules, which it
 # loads without building; a module not among them is built as usual
@@ -39,8 +41,6 @@ save_ficache() {  # the built JIT modules, for later calls to carry (16 MiB a re
   tar czf - -C "$jit" -T "$list" | split -b 15m - "$OUT/ficache.tgz."
   echo "saved $(wc -l <"$list") FlashInfer modules: $(du -cb "$OUT"/ficache.tgz.* | tail -1)"
 }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
-python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$RES/gpu.txt"
 
 step() {  # step NAME SECONDS COMMAND...: run with a bound, log to $OUT/NAME.txt, show the tail
   local name=$1 limit=$2; shift 2
