@@ -163,8 +163,8 @@ for what in "$@"; do
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
       TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;
     swiglu)  # gate_up GEMM + SiLU-and-mul: cuBLAS + FlashInfer against a fused Triton kernel
-      TAIL=14 step swiglu 360 python3 benchmarks/swiglu_gemm.py --m "${SWIGLU_M:-16,256,1024,2048,4096,8192}" \
-        --variants "${SWIGLU_VARIANTS:-ptr,tma}" --out "$RES/swiglu.json" ;;
+      TAIL=14 step swiglu 360 python3 benchmarks/swiglu_gemm.py --m "${SWIGLU_M:-16,32,64,128,256,512,1024,2048,4096,8192}" \
+        --variants "${SWIGLU_VARIANTS:-tma,tmap,tmaws}" --out "$RES/swiglu.json" ;;
   esac
 done
 [ -n "${SAVE_FICACHE:-}" ] && save_ficache

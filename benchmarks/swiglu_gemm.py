@@ -12,7 +12,9 @@ Variants (device us per call inside one CUDA graph of 20 calls, ``gemm_shapes.gr
 - ``ref``: ``F.linear`` then FlashInfer's ``silu_and_mul`` (torch's where FlashInfer is absent),
   what the model runs today; ``gemm`` is its GEMM alone;
 - ``ptr``: the fused kernel with pointer loads (Triton pipelines them itself);
-- ``tma``: the fused kernel with host-built tensor descriptors (TMA loads and store).
+- ``tma``: the fused kernel with host-built tensor descriptors (TMA loads and store);
+- ``tmap``: the same, persistent (one program per SM walks the tiles);
+- ``tmaws``: persistent with Triton's warp specialization.
 
     python benchmarks/swiglu_gemm.py --m 16,256,1024,2048,8192 --out swiglu.json
 """
@@ -34,31 +36,31 @@ H, I_ = 1536, 8960
 
 # (BM, BN, BK, stages, warps, group_m): BN is per half, so a tile computes 2 * BN GEMM columns
 CONFIGS = [
+    (128, 128, 64, 3, 8, 4),
     (128, 128, 64, 3, 8, 8),
+    (128, 128, 64, 3, 8, 16),
     (128, 128, 64, 4, 8, 8),
-    (128, 64, 64, 4, 4, 8),
-    (128, 64, 64, 4, 8, 8),
-    (64, 128, 64, 4, 4, 8),
-    (64, 64, 128, 3, 4, 8),
     (128, 128, 32, 5, 8, 8),
-    (256, 64, 64, 3, 8, 8),
+    (128, 128, 32, 6, 8, 8),
+    (128, 64, 64, 4, 4, 8),
 ]
-SMALL = [(64, 64, 128, 3, 4, 1), (64, 32, 128, 4, 4, 1), (16, 64, 128, 3, 4, 1),
-         (32, 32, 256, 3, 4, 1)]  # fmt: skip
+SMALL = [(16, 64, 128, 3, 4, 1), (16, 128, 128, 3, 4, 1), (16, 64, 64, 4, 4, 1),
+         (16, 32, 128, 4, 4, 1), (32, 64, 128, 3, 4, 1), (64, 128, 64, 4, 4, 1),
+         (64, 64, 64, 4, 4, 1), (64, 128, 64, 4, 4, 8)]  # fmt: skip
 
 
 def kernels():
     import triton
 
-    from benchmarks.swiglu_kernels import make_tma, run_ptr
+    from benchmarks.swiglu_kernels import make_tma, make_tma_persistent, run_ptr
 
-    return triton, run_ptr, make_tma
+    return triton, run_ptr, make_tma, make_tma_persistent
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="16,256,1024,2048,4096,8192")
-    ap.add_argument("--variants", default="ptr,tma")
+    ap.add_argument("--variants", default="tma,tmap,tmaws")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -75,7 +77,7 @@ def main() -> int:
             g, u = t.chunk(2, dim=-1)
             return F.silu(g) * u
 
-    triton, run_ptr, make_tma = kernels()
+    triton, run_ptr, make_tma, make_tmap = kernels()
     print("torch", torch.__version__, "triton", triton.__version__, flush=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -91,13 +93,15 @@ def main() -> int:
         flops = 2 * m * H * 2 * I_
         for v in variants:
             best = None
-            for cfg in CONFIGS + (SMALL if m <= 256 else []):
+            for cfg in (SMALL if m <= 256 else []) + (CONFIGS if m >= 128 else []):
                 out = torch.empty(m, I_, device=dev, dtype=torch.bfloat16)
                 try:
                     if v == "ptr":
                         call = lambda x=x, out=out, cfg=cfg: run_ptr(x, w, out, *cfg)  # noqa: E731
-                    else:
+                    elif v == "tma":
                         call = make_tma(x, w, out, *cfg)
+                    else:
+                        call = make_tmap(x, w, out, *cfg, ws=v == "tmaws")
                     got = call()
                     torch.cuda.synchronize()
                     err = float((got.float() - ref.float()).abs().max()) / scale

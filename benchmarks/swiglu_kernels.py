@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
 def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    return _tile_of(tl.program_id(0), M, N, BM, BN, GROUP_M)
+
+
+@triton.jit
+def _tile_of(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     # grouped order: GROUP_M row tiles walk the columns together, so their weight tiles are
     # read from L2 instead of memory
-    pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
     width = GROUP_M * n_n
@@ -82,6 +87,56 @@ def fused_tma(
         acc_u = tl.dot(a, wd.load([N + pn * BN, k]).T, acc_u)
     y = acc_g * tl.sigmoid(acc_g) * acc_u
     od.store([pm * BM, pn * BN], y.to(od.dtype))
+
+
+@triton.jit
+def fused_tma_persistent(
+    xd,
+    wd,
+    od,
+    M,
+    N,
+    K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SMS: tl.constexpr,
+    WS: tl.constexpr,
+):
+    # one program per SM walks the tiles: the next tile's loads overlap this tile's epilogue
+    tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), tiles, SMS, flatten=True, warp_specialize=WS):
+        pm, pn = _tile_of(tile, M, N, BM, BN, GROUP_M)
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            a = xd.load([pm * BM, k])
+            acc_g = tl.dot(a, wd.load([pn * BN, k]).T, acc_g)
+            acc_u = tl.dot(a, wd.load([N + pn * BN, k]).T, acc_u)
+        y = acc_g * tl.sigmoid(acc_g) * acc_u
+        od.store([pm * BM, pn * BN], y.to(od.dtype))
+
+
+def make_tma_persistent(x, w, out, bm, bn, bk, stages, warps, group, ws=False):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    n = w.shape[0] // 2
+    xd = TensorDescriptor.from_tensor(x, [bm, bk])
+    wd = TensorDescriptor.from_tensor(w, [bn, bk])
+    od = TensorDescriptor.from_tensor(out, [bm, bn])
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = (min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
+
+    def run():
+        fused_tma_persistent[grid](
+            xd, wd, od, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=group, SMS=sms, WS=ws,
+            num_stages=stages, num_warps=warps,
+        )  # fmt: skip
+        return out
+
+    return run
 
 
 def run_ptr(x, w, out, bm, bn, bk, stages, warps, group):
