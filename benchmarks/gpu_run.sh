@@ -65,7 +65,7 @@ for what in "$@"; do
     tests)
       step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu --deselect \
         "tests/test_api.py::test_seed_scenario_on_cuda[breakable]" \
-        tests/test_kernels.py tests/test_honest_replay.py tests/test_decode_graphs.py \
+        tests/test_kernels.py tests/test_gate_up.py tests/test_honest_replay.py tests/test_decode_graphs.py \
         tests/test_flashinfer.py tests/test_graph_runners.py tests/test_api.py tests/test_deepseek.py ;;
     decode)
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
@@ -143,14 +143,17 @@ for what in "$@"; do
       # the segment backends before and after a change, in one call: abtest/old holds the
       # older tree's service/ (git archive <commit> service | tar x -C abtest/old; carry it);
       # AB_TIMELINE: buckets placed on the profiler's clock in both arms
-      # AB_ROUNDS (default 1): old, new, old, new, ... so that a drifting host falls on both
+      # AB_ROUNDS (default 1): old, new, old, new, ... so that a drifting host falls on both;
+      # AB_OLD_ARGS / AB_NEW_ARGS: more arguments for one arm (with abtest/old holding the same
+      # tree, an A/B of a flag: AB_OLD_ARGS="--gate-up-kernel torch")
       for round in $(seq "${AB_ROUNDS:-1}"); do
         for tree in old new; do
           PP=$PYTHONPATH; [ $tree = old ] && PP="$PWD/abtest/old:$PYTHONPATH"
+          EXTRA=${AB_NEW_ARGS:-}; [ $tree = old ] && EXTRA=${AB_OLD_ARGS:-}
           TAIL=14 step ab_${tree}_$round 240 env PYTHONPATH="$PP" python3 benchmarks/prefill_graphs.py \
             --iters 20 --backends "${AB_BACKENDS:-breakable,tc_piecewise}" \
             --buckets "${AB_BUCKETS:-16,64,256}" --kernel-count-buckets "${AB_BUCKETS:-16,64,256}" \
-            ${AB_TIMELINE:+--timeline $AB_TIMELINE} --out "$RES/ab_${tree}_$round.json"
+            ${AB_TIMELINE:+--timeline $AB_TIMELINE} $EXTRA --out "$RES/ab_${tree}_$round.json"
         done
       done ;;
     launch)  # what a graph launch costs the host, and when the device starts it

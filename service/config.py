@@ -26,6 +26,8 @@ AttentionName = Literal["auto", "flashinfer", "torch"]
 FlashInferKernel = Literal["auto", "fa2", "fa3"]
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")
 FLASHINFER_KERNELS: tuple[str, ...] = ("auto", "fa2", "fa3")
+GateUpName = Literal["auto", "triton", "torch"]
+GATE_UP_KERNELS: tuple[str, ...] = ("auto", "triton", "torch")
 
 DEFAULT_CONTEXT_LENGTH_CAP = 4096  # used when the model allows more and the user sets nothing
 DEFAULT_CHUNKED_PREFILL_CPU = 2048
@@ -119,6 +121,9 @@ class EngineConfig:
     # the model's elementwise chains (RMSNorm + residual add, rotary, SiLU-and-mul): "auto" takes
     # FlashInfer's fused kernels where they run, else the torch reference
     fused_kernels: AttentionName = "auto"
+    # the MLP's gate_up GEMM + SiLU-and-mul: "auto" takes one Triton kernel on sm90 where it is
+    # faster than the pair (service.model.gate_up_tiles), else the projection then the activation
+    gate_up_kernel: GateUpName = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -130,6 +135,11 @@ class EngineConfig:
             raise ConfigError(
                 f"unsupported fused kernels {self.fused_kernels!r}; "
                 f"supported: {list(ATTENTION_BACKENDS)}"
+            )
+        if self.gate_up_kernel not in GATE_UP_KERNELS:
+            raise ConfigError(
+                f"unsupported gate_up kernel {self.gate_up_kernel!r}; "
+                f"supported: {list(GATE_UP_KERNELS)}"
             )
         if self.flashinfer_kernel not in FLASHINFER_KERNELS:
             raise ConfigError(

@@ -37,6 +37,7 @@ class RankInfo:
     architecture: str
     attention: BackendChoice
     kernels: BackendChoice  # the model's fused elementwise kernels
+    gate_up: BackendChoice  # the MLP's gate_up GEMM + SiLU-and-mul: "triton" or "torch"
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -63,6 +64,12 @@ def agree_rank_infos(infos: list[RankInfo]) -> RankInfo:
             "ranks chose different fused kernels: "
             + ", ".join(f"rank {i.rank}: {i.kernels.name} ({i.kernels.reason})" for i in infos)
             + "; pass --fused-kernels explicitly"
+        )
+    if len({i.gate_up.name for i in infos}) > 1:
+        raise ConfigError(
+            "ranks chose different gate_up kernels: "
+            + ", ".join(f"rank {i.rank}: {i.gate_up.name} ({i.gate_up.reason})" for i in infos)
+            + "; pass --gate-up-kernel explicitly"
         )
     return replace(
         first,

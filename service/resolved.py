@@ -79,12 +79,13 @@ class ResolvedConfig:
         plan = self.plan.to_json()
         limits = self.limits.to_json()
         model, attention = limits.pop("model_dir"), limits.pop("attention")
-        kernels = limits.pop("kernels")
+        kernels, gate_up = limits.pop("kernels"), limits.pop("gate_up")
         return {
             "model": model,
             **limits,
             "attention_backend": attention,
             "fused_kernels": kernels,
+            "gate_up_kernel": gate_up,
             "tp": self.tp,
             "executor": self.executor,
             "prefill_backend": self.plan.backend,

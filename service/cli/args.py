@@ -12,6 +12,7 @@ from service.config import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_STEP_TIMEOUT_S,
     FLASHINFER_KERNELS,
+    GATE_UP_KERNELS,
     DecodeGraphConfig,
     EngineConfig,
     GraphConfig,
@@ -170,6 +171,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         help="RMSNorm+residual, rotary and SiLU-and-mul kernels: auto (FlashInfer's fused kernels "
         "on CUDA when installed, else torch), flashinfer, torch",
     )
+    p.add_argument(
+        "--gate-up-kernel",
+        choices=GATE_UP_KERNELS,
+        default="auto",
+        help="the MLP's gate_up GEMM + SiLU-and-mul: auto (one Triton kernel on sm90 at the token "
+        "counts where it is faster, else the pair), triton, torch (the pair)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument(
@@ -228,4 +236,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         flashinfer_kernel=args.flashinfer_kernel,
         fused_kernels=args.fused_kernels,
+        gate_up_kernel=args.gate_up_kernel,
     )

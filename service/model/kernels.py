@@ -18,7 +18,10 @@ fused qkv tensor (row stride larger than their width).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from service.model.rotary import cos_sin_at
@@ -28,6 +31,21 @@ class Kernels:
     """The reference: exactly the arithmetic of the original model code (plain torch)."""
 
     name = "torch"
+    # service.model.gate_up_triton.gate_up_silu where the rank chose the fused gate_up kernel
+    # (service.ranks.select.choose_gate_up), else None: the projection, then silu_and_mul
+    _fused_gate_up: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
+
+    def use_fused_gate_up(self) -> None:
+        from service.model.gate_up_triton import gate_up_silu  # needs triton
+
+        self._fused_gate_up = gate_up_silu
+
+    def gate_up_silu(self, x: torch.Tensor, gate_up_proj: nn.Module) -> torch.Tensor:
+        """The MLP's first half: x (T, H) -> silu(x Wg^T) * (x Wu^T), (T, I), where
+        ``gate_up_proj`` holds (2I, H) (gate rows, then up rows) and no bias."""
+        if self._fused_gate_up is not None:
+            return self._fused_gate_up(x, gate_up_proj.weight, self.name == "flashinfer")
+        return self.silu_and_mul(gate_up_proj(x))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # x (T, H): normalise in float32, scale in the input dtype

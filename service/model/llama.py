@@ -128,13 +128,13 @@ class MLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         """The output before the all-reduce (a MoE layer adds the routed experts first)."""
-        return self.down_proj.partial(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.partial(self.kernels.gate_up_silu(x, self.gate_up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         # Compiled (tc_piecewise) pieces run it whole: inductor fuses the activation into one
         # kernel, and no size test enters the trace, so one trace serves every bucket.
         if torch.compiler.is_compiling() or x.shape[0] <= MLP_TOKEN_CHUNK:
-            return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
+            return self.down_proj(self.kernels.gate_up_silu(x, self.gate_up_proj))
         # Long batches run in token chunks: the (T, 2 * intermediate) activation is the largest
         # tensor of the forward, and a captured graph's pool keeps its peak for good.
         return torch.cat([self(part) for part in x.split(MLP_TOKEN_CHUNK)])

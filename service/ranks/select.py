@@ -93,6 +93,68 @@ def choose_kernels(
     return choose(requested, "--fused-kernels", blocker)
 
 
+# the fused gate_up kernel's tiles were measured on Hopper (H200); elsewhere ask for it by name
+GATE_UP_AUTO_ARCH = 9
+
+
+def gate_up_blocker(
+    device_type: str, dtype: str, capability: tuple[int, int] | None, import_error: str | None
+) -> str | None:
+    """Why the fused gate_up + SiLU-and-mul Triton kernel cannot run here, or None."""
+    if device_type != "cuda":
+        return f"it needs a CUDA device (this rank runs on {device_type})"
+    if capability is None or capability[0] < 9:
+        return f"its TMA loads need sm90 or newer (this device is sm{_sm(capability)})"
+    if import_error is not None:
+        return f"triton is not importable ({import_error})"
+    if dtype not in FLASHINFER_DTYPES:
+        return f"dtype {dtype} is not one of {list(FLASHINFER_DTYPES)}"
+    return None
+
+
+def _sm(capability: tuple[int, int] | None) -> str:
+    return "?" if capability is None else f"{capability[0]}{capability[1]}"
+
+
+def choose_gate_up(
+    requested: str,
+    device_type: str,
+    dtype: str,
+    capability: tuple[int, int] | None,
+    import_error: str | None,
+) -> BackendChoice:
+    """The MLP's gate_up GEMM + SiLU-and-mul: one Triton kernel ("triton", at the token counts
+    service.model.gate_up_tiles picks) or the projection then the activation kernel ("torch")."""
+    flag = "--gate-up-kernel"
+    blocker = gate_up_blocker(device_type, dtype, capability, import_error)
+    if requested == "torch":
+        return BackendChoice("torch", f"asked for ({flag} torch)")
+    if requested == "triton":
+        if blocker is not None:
+            raise ConfigError(f"{flag} triton cannot run here: {blocker}; use {flag} auto or torch")
+        return BackendChoice("triton", f"asked for ({flag} triton)")
+    if requested != "auto":
+        raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, triton, torch")
+    if blocker is not None:
+        return BackendChoice("torch", f"auto: the fused kernel cannot run: {blocker}")
+    if capability is not None and capability[0] != GATE_UP_AUTO_ARCH:
+        return BackendChoice(
+            "torch",
+            f"auto: the fused kernel's tiles are measured on sm90 only (this device is "
+            f"sm{_sm(capability)}); pass {flag} triton to try it",
+        )
+    return BackendChoice("triton", "auto: CUDA sm90, triton installed")
+
+
+def triton_import_error() -> str | None:
+    """None when ``import triton`` works, else the error's one-line text."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
 def flashinfer_import_error() -> str | None:
     """None when ``import flashinfer`` works, else the error's one-line text."""
     try:

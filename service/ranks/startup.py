@@ -36,7 +36,13 @@ from service.ranks.kv_pool import (
     kv_slots_for_budget,
     resolve_max_running_requests,
 )
-from service.ranks.select import choose_attention, choose_kernels, flashinfer_import_error
+from service.ranks.select import (
+    choose_attention,
+    choose_gate_up,
+    choose_kernels,
+    flashinfer_import_error,
+    triton_import_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,15 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
     kernel_dim = arch.head_dim if arch.mla is None else arch.mla.qk_rope_head_dim
     kernels = choose_kernels(cfg.fused_kernels, device.type, dtype_name, kernel_dim, fi_error)
     log.info("Fused kernels: %s (%s)", kernels.name, kernels.reason)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    gate_up = choose_gate_up(
+        cfg.gate_up_kernel,
+        device.type,
+        dtype_name,
+        capability,
+        triton_import_error() if device.type == "cuda" and cfg.gate_up_kernel != "torch" else None,
+    )
+    log.info("gate_up kernel: %s (%s)", gate_up.name, gate_up.reason)
     model = build_model(
         model_dir,
         tp=tp,
@@ -89,7 +104,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         load_format=cfg.load_format,
         seed=cfg.seed,
         cfg=arch,
-        kernels=make_kernels(kernels.name),
+        kernels=make_kernels(kernels.name, fused_gate_up=gate_up.name == "triton"),
     )
     parts, kv_heads, kv_dim = model.kv_entry()
     layout = KVLayout(
@@ -131,14 +146,16 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         architecture=arch.architecture,
         attention=choice,
         kernels=kernels,
+        gate_up=gate_up,
     )
     return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, decode, info)
 
 
-def make_kernels(name: str) -> Kernels:
-    if name == "flashinfer":
-        return FlashInferKernels()
-    return Kernels()
+def make_kernels(name: str, fused_gate_up: bool = False) -> Kernels:
+    kernels = FlashInferKernels() if name == "flashinfer" else Kernels()
+    if fused_gate_up:
+        kernels.use_fused_gate_up()
+    return kernels
 
 
 def attention_backends(

@@ -1,0 +1,68 @@
+"""For which token counts the MLP's gate_up GEMM and SiLU-and-mul run as one Triton kernel, and
+with which tile (a pure policy: no torch, no triton).
+
+The fused kernel (service.model.gate_up_triton) computes silu(x Wg^T) * (x Wu^T) on the GEMM's
+fp32 accumulators and writes (T, I) once; cuBLAS plus SiLU-and-mul writes (T, 2I), reads it back
+and writes (T, I). Measured on the H200 against cuBLAS + FlashInfer for Qwen2.5-1.5B's gate_up
+(K 1536, 2I 17920; ``benchmarks/swiglu_gemm.py``, docs/benchmarks.md, session 29), the fused
+kernel takes 0.78-0.92 of the pair's time at 16-128 tokens and 0.91-0.98 from 2,048, but
+1.07-1.41 between: there a tile of 128 rows by 2 x 128 columns gives 1.06-4.2 waves of 132 SMs,
+and the partial last wave costs more than the saved traffic. So between ``SMALL_MAX`` and
+``LARGE_MIN`` the pair runs as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMALL_MAX = 128  # the fused kernel up to this many tokens ...
+LARGE_MIN = 2048  # ... and from this many
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One program's share: ``rows`` tokens by ``cols`` output columns (each needs ``cols`` gate
+    and ``cols`` up columns of the GEMM), ``depth`` of K per step; Triton launch parameters."""
+
+    rows: int
+    cols: int
+    depth: int
+    stages: int
+    warps: int
+    group: int  # row tiles that walk the columns together (weight tiles reused from L2)
+
+
+# the fastest measured configuration per size class (swiglu_gemm.py's sweep, two H200 runs)
+_SMALL = (
+    (16, Tile(16, 128, 128, 3, 4, 1)),
+    (32, Tile(32, 64, 128, 3, 4, 1)),
+    (64, Tile(64, 64, 64, 4, 4, 1)),
+    (128, Tile(128, 128, 64, 4, 8, 8)),
+)
+_LARGE = Tile(128, 128, 64, 4, 8, 8)
+
+
+def tile_for(tokens: int) -> Tile | None:
+    """The fused kernel's tile for ``tokens`` rows, or None where cuBLAS + SiLU-and-mul is
+    faster (or there are no rows)."""
+    if tokens <= 0:
+        return None
+    if tokens >= LARGE_MIN:
+        return _LARGE
+    for limit, tile in _SMALL:
+        if tokens <= limit:
+            return tile
+    return None
+
+
+def shape_blocker(hidden: int, intermediate: int, itemsize: int) -> str | None:
+    """Why the fused kernel cannot take a gate_up of (2 * intermediate, hidden), or None.
+
+    TMA descriptors need 16-byte aligned row strides, and the K loop takes whole steps of the
+    largest tile depth."""
+    depth = max(t.depth for t in (*(t for _, t in _SMALL), _LARGE))
+    if hidden % depth:
+        return f"hidden size {hidden} is not a multiple of {depth}"
+    if (hidden * itemsize) % 16 or (intermediate * itemsize) % 16:
+        return f"rows of {hidden} or {intermediate} elements are not 16-byte aligned"
+    return None
