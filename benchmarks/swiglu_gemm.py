@@ -14,7 +14,13 @@ Variants (device us per call inside one CUDA graph of 20 calls, ``gemm_shapes.gr
 - ``ptr``: the fused kernel with pointer loads (Triton pipelines them itself);
 - ``tma``: the fused kernel with host-built tensor descriptors (TMA loads and store);
 - ``tmap``: the same, persistent (one program per SM walks the tiles);
-- ``tmaws``: persistent with Triton's warp specialization.
+- ``tmaws``: persistent with Triton's warp specialization;
+- ``tma1``: one (2 BN)-wide dot per step on a reordered weight (gate and up blocks interleaved).
+
+With ``--host``, also the host time of one call as the service makes it
+(``service.model.gate_up_triton.gate_up_silu``, kernel or pair by the token count) and of the pair
+alone: 200 calls queued back to back, no synchronisation inside, wall time per call. That is what
+an eager forward pays per layer where the host, not the device, sets the pace.
 
     python benchmarks/swiglu_gemm.py --m 16,256,1024,2048,8192 --out swiglu.json
 """
@@ -52,15 +58,34 @@ SMALL = [(16, 64, 128, 3, 4, 1), (16, 128, 128, 3, 4, 1), (16, 64, 64, 4, 4, 1),
 def kernels():
     import triton
 
-    from benchmarks.swiglu_kernels import make_tma, make_tma_persistent, run_ptr
+    from benchmarks.swiglu_kernels import make_tma, make_tma_one, make_tma_persistent, run_ptr
 
-    return triton, run_ptr, make_tma, make_tma_persistent
+    return triton, run_ptr, make_tma, make_tma_persistent, make_tma_one
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Wall us per call of ``calls`` calls queued without synchronising (median of 5)."""
+    import statistics
+    import time
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="16,256,1024,2048,4096,8192")
     ap.add_argument("--variants", default="tma,tmap,tmaws")
+    ap.add_argument("--host", action="store_true", help="host us per call, service vs pair")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -77,7 +102,7 @@ def main() -> int:
             g, u = t.chunk(2, dim=-1)
             return F.silu(g) * u
 
-    triton, run_ptr, make_tma, make_tmap = kernels()
+    triton, run_ptr, make_tma, make_tmap, make_tma1 = kernels()
     print("torch", torch.__version__, "triton", triton.__version__, flush=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -100,6 +125,8 @@ def main() -> int:
                         call = lambda x=x, out=out, cfg=cfg: run_ptr(x, w, out, *cfg)  # noqa: E731
                     elif v == "tma":
                         call = make_tma(x, w, out, *cfg)
+                    elif v == "tma1":
+                        call = make_tma1(x, w, out, *cfg)
                     else:
                         call = make_tmap(x, w, out, *cfg, ws=v == "tmaws")
                     got = call()
@@ -114,10 +141,19 @@ def main() -> int:
                     best = (us, cfg, err)
             if best:
                 row[v], row[f"{v}_cfg"], row[f"{v}_err"] = best
+        if args.host:
+            from service.model.gate_up_triton import gate_up_silu
+
+            row["host_service"] = host_us(lambda x=x: gate_up_silu(x, w, True))
+            row["host_pair"] = host_us(lambda x=x: silu_mul(F.linear(x, w)))
         rows.append(row)
         cells = " ".join(f"{v} {row[v]:8.2f}" for v in ["gemm", "ref", *variants] if v in row)
         print(f"m={m:>5} {cells}  (ref {flops / row['ref'] / 1e6:.0f} TFLOP/s)", flush=True)
     print(f"\n{'m':>6} {'gemm':>8} {'ref':>8}" + "".join(f" {v:>8} {'/ref':>5}" for v in variants))
+    if args.host:
+        for r in rows:
+            print(f"host us per call, m={r['m']}: service {r['host_service']:.1f}, "
+                  f"pair {r['host_pair']:.1f}")  # fmt: skip
     for r in rows:
         line = f"{r['m']:>6} {r['gemm']:>8.2f} {r['ref']:>8.2f}"
         for v in variants:

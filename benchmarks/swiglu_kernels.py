@@ -139,6 +139,52 @@ def make_tma_persistent(x, w, out, bm, bn, bk, stages, warps, group, ws=False):
     return run
 
 
+@triton.jit
+def fused_tma_one(
+    xd,
+    wd,
+    od,
+    M,
+    N,
+    K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # wd holds the weight reordered: BN gate rows, then the same BN up rows, and so on, so one
+    # (2 BN)-wide dot per step computes both halves of a tile
+    pm, pn = _tile(M, N, BM, BN, GROUP_M)
+    acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        acc = tl.dot(xd.load([pm * BM, k]), wd.load([pn * 2 * BN, k]).T, acc)
+    g, u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+    y = g * tl.sigmoid(g) * u
+    od.store([pm * BM, pn * BN], y.to(od.dtype))
+
+
+def make_tma_one(x, w, out, bm, bn, bk, stages, warps, group):
+    """The one-dot form; reorders a copy of ``w`` (N must be a multiple of ``bn``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    n = w.shape[0] // 2
+    w2 = w.view(2, n // bn, bn, k).transpose(0, 1).reshape(2 * n, k).contiguous()
+    xd = TensorDescriptor.from_tensor(x, [bm, bk])
+    wd = TensorDescriptor.from_tensor(w2, [2 * bn, bk])
+    od = TensorDescriptor.from_tensor(out, [bm, bn])
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+
+    def run():
+        fused_tma_one[grid](
+            xd, wd, od, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=group,
+            num_stages=stages, num_warps=warps,
+        )  # fmt: skip
+        return out
+
+    return run
+
+
 def run_ptr(x, w, out, bm, bn, bk, stages, warps, group):
     m, k = x.shape
     n = w.shape[0] // 2
