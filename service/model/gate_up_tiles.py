@@ -9,6 +9,11 @@ kernel takes 0.78-0.92 of the pair's time at 16-128 tokens and 0.91-0.98 from 2,
 1.07-1.41 between: there a tile of 128 rows by 2 x 128 columns gives 1.06-4.2 waves of 132 SMs,
 and the partial last wave costs more than the saved traffic. So between ``SMALL_MAX`` and
 ``LARGE_MIN`` the pair runs as before.
+
+The host pays more for the kernel: a Triton launch with its three tensor descriptors took 43-49
+us a call against the pair's 26-39 (same script, ``--host``). Inside a captured graph that cost
+is paid once, at capture; in an eager call it is paid every time, and below ``LARGE_MIN`` tokens
+an eager forward is host-bound, so eager calls there keep the pair.
 """
 
 from __future__ import annotations
@@ -42,13 +47,16 @@ _SMALL = (
 _LARGE = Tile(128, 128, 64, 4, 8, 8)
 
 
-def tile_for(tokens: int) -> Tile | None:
+def tile_for(tokens: int, captured: bool = True) -> Tile | None:
     """The fused kernel's tile for ``tokens`` rows, or None where cuBLAS + SiLU-and-mul is
-    faster (or there are no rows)."""
+    faster (or there are no rows). ``captured``: the call is being captured into a CUDA graph;
+    an eager call takes the kernel only where the device, not the host, sets the pace."""
     if tokens <= 0:
         return None
     if tokens >= LARGE_MIN:
         return _LARGE
+    if not captured:
+        return None
     for limit, tile in _SMALL:
         if tokens <= limit:
             return tile

@@ -8,8 +8,10 @@ service.model.gate_up_tiles says the pair is faster (or the shape does not fit),
 ``F.linear`` and the rank's SiLU-and-mul instead.
 
 Numerics: the activation sees fp32 products, where the pair rounds them to the weight dtype
-first; results differ from the pair by about one rounding of the output (tests/test_kernels.py
-states the tolerance). Replays and eager calls of one token count run the same kernel.
+first; results differ from the pair by about one rounding of the output (tests/test_gate_up.py
+states the tolerance). Below 2,048 tokens only captured calls take the kernel (eager calls are
+host-bound there, and its launch costs the host more), so a replay and an eager call of the same
+batch can differ by that rounding.
 
 Imported only where the rank chose it (service.ranks.select.choose_gate_up): it needs triton.
 """
@@ -95,7 +97,7 @@ def _silu_and_mul(gate_up: torch.Tensor, flashinfer: bool) -> torch.Tensor:
 def gate_up_silu_impl(x: torch.Tensor, weight: torch.Tensor, flashinfer: bool) -> torch.Tensor:
     """The fused kernel where it is faster for x's rows and fits the shape, else the pair
     (``F.linear`` and SiLU-and-mul: FlashInfer's where ``flashinfer``, else torch's)."""
-    tile = tile_for(x.shape[0])
+    tile = tile_for(x.shape[0], captured=torch.cuda.is_current_stream_capturing())
     if (
         tile is not None
         and x.is_contiguous()
