@@ -5,8 +5,8 @@ The fused kernel (service.model.gate_up_triton) computes silu(x Wg^T) * (x Wu^T)
 fp32 accumulators and writes (T, I) once; cuBLAS plus SiLU-and-mul writes (T, 2I), reads it back
 and writes (T, I). Measured on the H200 against cuBLAS + FlashInfer for Qwen2.5-1.5B's gate_up
 (K 1536, 2I 17920; ``benchmarks/swiglu_gemm.py``, docs/benchmarks.md, session 29), the fused
-kernel takes 0.78-0.92 of the pair's time at 16-128 tokens and 0.91-0.98 from 2,048, but
-1.07-1.41 between: there a tile of 128 rows by 2 x 128 columns gives 1.06-4.2 waves of 132 SMs,
+kernel takes 0.78-0.92 of the pair's time at 16-128 tokens and 0.84-0.98 from 2,048, but
+1.00-1.41 between: there a tile of 128 rows by 2 x 128 columns gives 1.06-4.2 waves of 132 SMs,
 and the partial last wave costs more than the saved traffic. So between ``SMALL_MAX`` and
 ``LARGE_MIN`` the pair runs as before.
 
