@@ -12,7 +12,7 @@ Variants (device us per call inside one CUDA graph of 20 calls, ``gemm_shapes.gr
 - ``ref``: ``F.linear`` then FlashInfer's ``silu_and_mul`` (torch's where FlashInfer is absent),
   what the model runs today; ``gemm`` is its GEMM alone;
 - ``ptr``: the fused kernel with pointer loads (Triton pipelines them itself);
-- ``tma``: the fused kernel with host-built tensor descriptors (TMA loads and store);
+- ``tma``: the service's kernel (host-built tensor descriptors: TMA loads and store);
 - ``tmap``: the same, persistent (one program per SM walks the tiles);
 - ``tmaws``: persistent with Triton's warp specialization;
 - ``tma1``: one (2 BN)-wide dot per step on a reordered weight (gate and up blocks interleaved).

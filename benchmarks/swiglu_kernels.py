@@ -1,5 +1,8 @@
-"""The fused gate_up GEMM + SiLU-and-mul Triton kernels measured by ``swiglu_gemm.py``
-(prototype; module-level so that Triton resolves the helper they share)."""
+"""The other forms of the fused gate_up GEMM + SiLU-and-mul that ``swiglu_gemm.py`` measures
+against the service's kernel (service.model.gate_up_triton): pointer loads, a persistent grid
+(with or without warp specialization), one dot on an interleaved weight. Prototypes, none faster
+on the H200 (docs/benchmarks.md, session 29); module-level so that Triton resolves the helpers
+they share."""
 
 from __future__ import annotations
 
@@ -66,30 +69,6 @@ def fused_ptr(
 
 
 @triton.jit
-def fused_tma(
-    xd,
-    wd,
-    od,
-    M,
-    N,
-    K: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    pm, pn = _tile(M, N, BM, BN, GROUP_M)
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        a = xd.load([pm * BM, k])
-        acc_g = tl.dot(a, wd.load([pn * BN, k]).T, acc_g)
-        acc_u = tl.dot(a, wd.load([N + pn * BN, k]).T, acc_u)
-    y = acc_g * tl.sigmoid(acc_g) * acc_u
-    od.store([pm * BM, pn * BN], y.to(od.dtype))
-
-
-@triton.jit
 def fused_tma_persistent(
     xd,
     wd,
@@ -118,14 +97,21 @@ def fused_tma_persistent(
         od.store([pm * BM, pn * BN], y.to(od.dtype))
 
 
-def make_tma_persistent(x, w, out, bm, bn, bk, stages, warps, group, ws=False):
+def _descriptors(x, w, out, bm, bn, bk, w_rows):
+    """(M, N, K, x, weight and out descriptors); ``w_rows`` rows of the weight per load."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x.shape
-    n = w.shape[0] // 2
-    xd = TensorDescriptor.from_tensor(x, [bm, bk])
-    wd = TensorDescriptor.from_tensor(w, [bn, bk])
-    od = TensorDescriptor.from_tensor(out, [bm, bn])
+    descs = (
+        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(w, [w_rows, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
+    )
+    return m, w.shape[0] // 2, k, *descs
+
+
+def make_tma_persistent(x, w, out, bm, bn, bk, stages, warps, group, ws=False):
+    m, n, k, xd, wd, od = _descriptors(x, w, out, bm, bn, bk, bn)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = (min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)
 
@@ -165,14 +151,9 @@ def fused_tma_one(
 
 def make_tma_one(x, w, out, bm, bn, bk, stages, warps, group):
     """The one-dot form; reorders a copy of ``w`` (N must be a multiple of ``bn``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    m, k = x.shape
-    n = w.shape[0] // 2
+    n, k = w.shape[0] // 2, w.shape[1]
     w2 = w.view(2, n // bn, bn, k).transpose(0, 1).reshape(2 * n, k).contiguous()
-    xd = TensorDescriptor.from_tensor(x, [bm, bk])
-    wd = TensorDescriptor.from_tensor(w2, [2 * bn, bk])
-    od = TensorDescriptor.from_tensor(out, [bm, bn])
+    m, n, k, xd, wd, od = _descriptors(x, w2, out, bm, bn, bk, 2 * bn)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
 
     def run():
@@ -210,30 +191,9 @@ def run_ptr(x, w, out, bm, bn, bk, stages, warps, group):
 
 
 def make_tma(x, w, out, bm, bn, bk, stages, warps, group):
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    """The service's kernel (service.model.gate_up_triton.fused) at this tile."""
+    from service.model.gate_up_tiles import Tile
+    from service.model.gate_up_triton import fused
 
-    m, k = x.shape
-    n = w.shape[0] // 2
-    xd = TensorDescriptor.from_tensor(x, [bm, bk])
-    wd = TensorDescriptor.from_tensor(w, [bn, bk])
-    od = TensorDescriptor.from_tensor(out, [bm, bn])
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-
-    def run():
-        fused_tma[grid](
-            xd,
-            wd,
-            od,
-            m,
-            n,
-            k,
-            BM=bm,
-            BN=bn,
-            BK=bk,
-            GROUP_M=group,
-            num_stages=stages,
-            num_warps=warps,
-        )
-        return out
-
-    return run
+    tile = Tile(bm, bn, bk, stages, warps, group)
+    return lambda: fused(x, w, tile)
