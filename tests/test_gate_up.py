@@ -66,6 +66,8 @@ def test_gate_up_choice_says_why_and_refuses_what_cannot_run():
     missing = choose_gate_up("auto", "cuda", "bfloat16", SM90, "ImportError: no triton")
     assert missing.name == "torch" and "triton is not importable" in missing.reason
     assert "asked for" in choose_gate_up("torch", "cuda", "bfloat16", SM90, None).reason
+    misfit = choose_gate_up("auto", "cuda", "bfloat16", SM90, None, shape_blocker(1000, 8960, 2))
+    assert misfit.name == "torch" and "hidden size 1000 is not a multiple of 128" in misfit.reason
     with pytest.raises(ConfigError, match=r"--gate-up-kernel triton cannot run here: .*sm80"):
         choose_gate_up("triton", "cuda", "bfloat16", (8, 0), None)
     with pytest.raises(ConfigError, match=r"supported: \['auto', 'triton', 'torch'\]"):

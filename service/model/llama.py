@@ -132,7 +132,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         # Compiled (tc_piecewise) pieces run it whole: inductor fuses the activation into one
-        # kernel, and no size test enters the trace, so one trace serves every bucket.
+        # kernel (or, with the fused gate_up kernel, one opaque op picks per call), and no size
+        # test enters the trace, so one trace serves every bucket.
         if torch.compiler.is_compiling() or x.shape[0] <= MLP_TOKEN_CHUNK:
             return self.down_proj(self.kernels.gate_up_silu(x, self.gate_up_proj))
         # Long batches run in token chunks: the (T, 2 * intermediate) activation is the largest

@@ -98,9 +98,15 @@ GATE_UP_AUTO_ARCH = 9
 
 
 def gate_up_blocker(
-    device_type: str, dtype: str, capability: tuple[int, int] | None, import_error: str | None
+    device_type: str,
+    dtype: str,
+    capability: tuple[int, int] | None,
+    import_error: str | None,
+    shape_error: str | None = None,
 ) -> str | None:
-    """Why the fused gate_up + SiLU-and-mul Triton kernel cannot run here, or None."""
+    """Why the fused gate_up + SiLU-and-mul Triton kernel cannot run here, or None.
+    ``shape_error``: why the model's gate_up shape does not fit it
+    (service.model.gate_up_tiles.shape_blocker), or None."""
     if device_type != "cuda":
         return f"it needs a CUDA device (this rank runs on {device_type})"
     if capability is None or capability[0] < 9:
@@ -109,6 +115,8 @@ def gate_up_blocker(
         return f"triton is not importable ({import_error})"
     if dtype not in FLASHINFER_DTYPES:
         return f"dtype {dtype} is not one of {list(FLASHINFER_DTYPES)}"
+    if shape_error is not None:
+        return f"the model's gate_up does not fit it: {shape_error}"
     return None
 
 
@@ -122,11 +130,12 @@ def choose_gate_up(
     dtype: str,
     capability: tuple[int, int] | None,
     import_error: str | None,
+    shape_error: str | None = None,
 ) -> BackendChoice:
     """The MLP's gate_up GEMM + SiLU-and-mul: one Triton kernel ("triton", at the token counts
     service.model.gate_up_tiles picks) or the projection then the activation kernel ("torch")."""
     flag = "--gate-up-kernel"
-    blocker = gate_up_blocker(device_type, dtype, capability, import_error)
+    blocker = gate_up_blocker(device_type, dtype, capability, import_error, shape_error)
     if requested == "torch":
         return BackendChoice("torch", f"asked for ({flag} torch)")
     if requested == "triton":

@@ -16,6 +16,7 @@ import torch
 from service.config import DEFAULT_MAX_RUNNING_REQUESTS_CAP, EngineConfig
 from service.model.arch_config import load_arch_config
 from service.model.builtin import builtin_model_dir
+from service.model.gate_up_tiles import shape_blocker
 from service.model.kernels import FlashInferKernels, Kernels
 from service.model.llama import CausalLM
 from service.model.loader import build_model
@@ -93,6 +94,8 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         dtype_name,
         capability,
         triton_import_error() if device.type == "cuda" and cfg.gate_up_kernel != "torch" else None,
+        # the dense MLP's shard (DeepSeek's shared experts, narrower, fall back per call)
+        shape_blocker(arch.hidden_size, arch.intermediate_size // tp.world_size, dtype.itemsize),
     )
     log.info("gate_up kernel: %s (%s)", gate_up.name, gate_up.reason)
     model = build_model(
