@@ -49,21 +49,28 @@ def flashinfer_blocker(
     return None
 
 
-def choose(requested: str, flag: str, blocker: str | None) -> BackendChoice:
-    """FlashInfer or torch for one ``flag``, given why FlashInfer cannot run (None: it can)."""
+def choose(
+    requested: str,
+    flag: str,
+    blocker: str | None,
+    fast: str = "flashinfer",
+    fast_reason: str = "auto: CUDA, FlashInfer installed, shapes supported",
+    auto_blocker: str | None = None,
+) -> BackendChoice:
+    """``fast`` or torch for one ``flag``, given why ``fast`` cannot run (None: it can).
+    ``auto_blocker``: why ``auto`` should not take it although it can run (asking for it by name
+    still does)."""
     if requested == "torch":
         return BackendChoice("torch", f"asked for ({flag} torch)")
-    if requested == "flashinfer":
+    if requested == fast:
         if blocker is not None:
-            raise ConfigError(
-                f"{flag} flashinfer cannot run here: {blocker}; use {flag} auto or torch"
-            )
-        return BackendChoice("flashinfer", f"asked for ({flag} flashinfer)")
+            raise ConfigError(f"{flag} {fast} cannot run here: {blocker}; use {flag} auto or torch")
+        return BackendChoice(fast, f"asked for ({flag} {fast})")
     if requested != "auto":
-        raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, flashinfer, torch")
-    if blocker is None:
-        return BackendChoice("flashinfer", "auto: CUDA, FlashInfer installed, shapes supported")
-    return BackendChoice("torch", f"auto: {blocker}")
+        raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, {fast}, torch")
+    if blocker is None and auto_blocker is None:
+        return BackendChoice(fast, fast_reason)
+    return BackendChoice("torch", f"auto: {blocker or auto_blocker}")
 
 
 def choose_attention(
@@ -108,15 +115,17 @@ def gate_up_blocker(
     ``shape_error``: why the model's gate_up shape does not fit it
     (service.model.gate_up_tiles.shape_blocker), or None."""
     if device_type != "cuda":
-        return f"it needs a CUDA device (this rank runs on {device_type})"
+        return f"the fused kernel needs a CUDA device (this rank runs on {device_type})"
     if capability is None or capability[0] < 9:
-        return f"its TMA loads need sm90 or newer (this device is sm{_sm(capability)})"
+        return (
+            f"the fused kernel's TMA loads need sm90 or newer (this device is sm{_sm(capability)})"
+        )
     if import_error is not None:
         return f"triton is not importable ({import_error})"
     if dtype not in FLASHINFER_DTYPES:
-        return f"dtype {dtype} is not one of {list(FLASHINFER_DTYPES)}"
+        return f"dtype {dtype} is not one of the fused kernel's {list(FLASHINFER_DTYPES)}"
     if shape_error is not None:
-        return f"the model's gate_up does not fit it: {shape_error}"
+        return f"the model's gate_up does not fit the fused kernel: {shape_error}"
     return None
 
 
@@ -136,23 +145,13 @@ def choose_gate_up(
     service.model.gate_up_tiles picks) or the projection then the activation kernel ("torch")."""
     flag = "--gate-up-kernel"
     blocker = gate_up_blocker(device_type, dtype, capability, import_error, shape_error)
-    if requested == "torch":
-        return BackendChoice("torch", f"asked for ({flag} torch)")
-    if requested == "triton":
-        if blocker is not None:
-            raise ConfigError(f"{flag} triton cannot run here: {blocker}; use {flag} auto or torch")
-        return BackendChoice("triton", f"asked for ({flag} triton)")
-    if requested != "auto":
-        raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, triton, torch")
-    if blocker is not None:
-        return BackendChoice("torch", f"auto: the fused kernel cannot run: {blocker}")
+    untuned = None
     if capability is not None and capability[0] != GATE_UP_AUTO_ARCH:
-        return BackendChoice(
-            "torch",
-            f"auto: the fused kernel's tiles are measured on sm90 only (this device is "
-            f"sm{_sm(capability)}); pass {flag} triton to try it",
+        untuned = (
+            f"the fused kernel's tiles are measured on sm90 only (this device is "
+            f"sm{_sm(capability)}); pass {flag} triton to try it"
         )
-    return BackendChoice("triton", "auto: CUDA sm90, triton installed")
+    return choose(requested, flag, blocker, "triton", "auto: CUDA sm90, triton installed", untuned)
 
 
 def triton_import_error() -> str | None:
