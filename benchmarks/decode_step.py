@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.prefill_graphs import MODELS, device_rates
 from service.buckets import MISS_DISABLED
 from service.capture_result import CaptureStat
@@ -77,6 +78,7 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-1.5b")
     ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
+    ap.add_argument("--gate-up-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this batch size")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -95,6 +97,7 @@ def main() -> int:
         decode=DecodeGraphConfig(enabled=True, sizes=tuple(batches)),
         attention_backend=args.attention,
         fused_kernels=args.fused_kernels,
+        gate_up_kernel=args.gate_up_kernel,
     )
     worker = RankWorker(set_up_rank(cfg))
     info = worker.info
@@ -106,7 +109,8 @@ def main() -> int:
         if not isinstance(stat, CaptureStat):
             raise SystemExit(f"capture of decode size {size} failed: {stat}")
         captures[size] = stat
-    copy_bw, _ = device_rates(worker.device)
+    # the copy rate only (device_rates also times matmuls; its clock sampler is not needed here)
+    copy_bw = device_rates(worker.device, ClockSampler())["copy"]
     weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     layout = worker.kv.layout
     rows = []
@@ -147,6 +151,7 @@ def main() -> int:
         )
     print(f"attention: {info.attention.name} ({info.attention.reason})")
     print(f"fused kernels: {info.kernels.name} ({info.kernels.reason})")
+    print(f"gate_up kernel: {info.gate_up.name} ({info.gate_up.reason})")
     if args.out:
         Path(args.out).write_text(
             json.dumps(
@@ -159,6 +164,7 @@ def main() -> int:
                     else "cpu",
                     "attention": info.attention.to_json(),
                     "fused_kernels": info.kernels.to_json(),
+                    "gate_up_kernel": info.gate_up.to_json(),
                     "torch": torch.__version__,
                     "args": vars(args),
                 },

@@ -68,8 +68,9 @@ for what in "$@"; do
         tests/test_kernels.py tests/test_gate_up.py tests/test_honest_replay.py tests/test_decode_graphs.py \
         tests/test_flashinfer.py tests/test_graph_runners.py tests/test_api.py tests/test_deepseek.py ;;
     decode)
+      # DECODE_ARGS: more arguments, e.g. "--gate-up-kernel torch" for the other arm of an A/B
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
-        --context 512 --iters 50 --profile 1 --out "$RES/decode.json" ;;
+        --context 512 --iters 50 --profile 1 ${DECODE_ARGS:-} --out "$RES/decode.json" ;;
     serve|serve-si|serveprof|serveprof-uv)
       # serveprof: concurrency 32 only, the server under benchmarks/host_profile.py; serveprof-uv:
       # the same with uvloop and httptools (wheels carried in .uvw) importable, so uvicorn's
