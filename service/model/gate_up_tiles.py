@@ -45,6 +45,8 @@ _SMALL = (
     (128, Tile(128, 128, 64, 4, 8, 8)),
 )
 _LARGE = Tile(128, 128, 64, 4, 8, 8)
+# the K loop takes whole steps of every tile's depth: of the largest, then
+_DEPTH = max(t.depth for t in (*(t for _, t in _SMALL), _LARGE))
 
 
 def tile_for(tokens: int, captured: bool = True) -> Tile | None:
@@ -68,9 +70,8 @@ def shape_blocker(hidden: int, intermediate: int, itemsize: int) -> str | None:
 
     TMA descriptors need 16-byte aligned row strides, and the K loop takes whole steps of the
     largest tile depth."""
-    depth = max(t.depth for t in (*(t for _, t in _SMALL), _LARGE))
-    if hidden % depth:
-        return f"hidden size {hidden} is not a multiple of {depth}"
+    if hidden % _DEPTH:
+        return f"hidden size {hidden} is not a multiple of {_DEPTH}"
     if (hidden * itemsize) % 16 or (intermediate * itemsize) % 16:
         return f"rows of {hidden} or {intermediate} elements are not 16-byte aligned"
     return None
