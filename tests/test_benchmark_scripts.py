@@ -46,3 +46,32 @@ def test_prefill_graphs_runs_every_backend_and_reports_its_kernels(tmp_path):
         for backend in ("full", "breakable", "tc_piecewise"):
             assert row[f"{backend}_ms"] > 0
             assert row[f"{backend}_maxdiff"] < 1e-3  # fp32 on CPU: the replay matches eager
+
+
+def test_idle_report_splits_saved_calls_into_device_work_and_waiting():
+    """The script that docs/benchmarks.md quotes for where the 2,048-token miss lies: it reads
+    saved results, so it runs here on a GPU call's own output. A report that lost the busy time
+    or mislabelled a gap would change these figures (s29 D: `full` at 2,048 tokens was 10.267
+    ms, 9.735 of them device work)."""
+    saved = ROOT / "docs/results/prefill-2026-12-04-s29-d-34c47a6.json"
+    timed = ROOT / "docs/results/prefill-2026-12-04-s28b-36ce911.json"
+    proc = run_script("benchmarks/idle_report.py", str(saved), str(timed))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(
+        x for x in proc.stdout.splitlines() if "s29-d" in x and " 2048 " in x and "full" in x
+    )
+    assert line.split()[3:8] == ["10.267", "9.735", "0.532", "1.42", "1.35"]
+    # s28 B's 16-token `full` call waited three times for the host before layer 0's attention
+    text = proc.stdout.split("profiled calls", 1)[1]
+    block = text.split("s28b-36ce911.json             16         full", 1)[1].split(".json", 1)[0]
+    assert "72.0 at   62.0: elementwise_kernel -> Memcpy HtoD" in block
+    assert "64.0 at  135.0: Memcpy HtoD -> Memcpy HtoD" in block
+    assert "55.0 at  200.0: Memcpy HtoD -> void at::native::(" in block
+
+
+def test_idle_report_says_what_to_change_for_a_wrong_argument(tmp_path):
+    proc = run_script("benchmarks/idle_report.py", str(tmp_path / "missing.json"))
+    assert proc.returncode == 2 and "no such results file" in proc.stderr
+    saved = ROOT / "docs/results/prefill-2026-12-04-s29-d-34c47a6.json"
+    proc = run_script("benchmarks/idle_report.py", str(saved), "--runners", "full,ful")
+    assert proc.returncode == 2 and "unknown runners ['ful']" in proc.stderr
