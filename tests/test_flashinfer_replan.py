@@ -114,3 +114,30 @@ def test_a_replan_waits_for_the_previous_upload_before_rewriting_its_host_buffer
     # every plan after the first waited, and found the previous plan's layout intact
     assert event.seen == [offsets(layouts[0]), offsets(layouts[1])]
     assert event.recorded == 3  # each plan's upload is marked
+
+
+def test_a_replan_waits_for_the_previous_schedule_upload_too():
+    """FlashInfer's module plan writes the schedule into the wrapper's own pinned buffer and
+    queues its upload, after our indptr upload. The next plan rewrites that buffer as well, so
+    the event a replan waits on must be recorded after the module call: recorded before it, the
+    wait could return with the previous schedule's upload still queued, and the device would
+    read the next batch's schedule for the previous forward."""
+    r, w, _ = replan()
+
+    class Event:
+        def __init__(self):
+            self.after_module_calls: list[int] = []
+
+        def record(self):
+            self.after_module_calls.append(len(w.scheduled))
+
+        def synchronize(self):
+            pass
+
+    r._copied = event = Event()
+    r(np.array([40, 24, 0, 0]))  # the first plan: FlashInfer's, twice (install, then record)
+    for lens in ([10, 0, 0, 0], [5, 6, 7, 8]):
+        r(np.array(lens))
+        assert r.fast
+    # each mark came after that plan's module call(s): 2 for the first, then one each
+    assert event.after_module_calls == [2, 3, 4]

@@ -54,8 +54,10 @@ class RaggedReplan:
         self._host, self._a = host_buffer(2 * n + (n - 1), torch.int32, cuda)
         self._both, self._kv_lens = self._host[: 2 * n].view(2, n), self._host[2 * n :]
         self._rows = self._a[: 2 * n].reshape(2, n)
-        # the last copy out of that buffer: it must be done before the buffer is rewritten (a
-        # replan may come while the previous one's copy is still queued behind a forward)
+        # the last copies out of that buffer and out of the wrapper's pinned schedule buffer
+        # (the module's plan writes it, then queues its upload): both must be done before they
+        # are rewritten (a replan may come while the previous one's copies are still queued
+        # behind a forward)
         self._copied = torch.cuda.Event() if cuda else None
         self._pending = False
 
@@ -83,8 +85,12 @@ class RaggedReplan:
             self._mark_copied()  # FlashInfer copied the indptr from our buffer too
             return
         self.indptrs.copy_(both, non_blocking=True)  # the buffers the captured kernels read
-        self._mark_copied()
         info = self._call()  # its host arrays are views of our buffer: this batch's layout
+        # marked after the module call, which queued its own copy of the schedule out of the
+        # wrapper's pinned buffer: the next plan rewrites that buffer too, so its wait must cover
+        # both copies, not only ours (marked before it, the wait could return while the
+        # schedule's copy was still queued, and the next schedule overwrite it)
+        self._mark_copied()
         # one structural comparison in the compiled library (FlashInfer returns an FFI array;
         # converting it to a list cost tens of microseconds per plan)
         if not bool(info == self._info):
