@@ -367,6 +367,7 @@ def main() -> int:
     ap.add_argument("--flashinfer-kernel", choices=("auto", "fa2", "fa3"), default="auto")
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--gate-up-kernel", choices=("auto", "triton", "torch"), default="auto")
+    ap.add_argument("--rope-store-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--hf-compiled", default="", help="token counts to measure HF compiled at")
     ap.add_argument(
         "--kernel-count-buckets",
@@ -388,6 +389,7 @@ def main() -> int:
         flashinfer_kernel=args.flashinfer_kernel,
         fused_kernels=args.fused_kernels,
         gate_up_kernel=args.gate_up_kernel,
+        rope_store_kernel=args.rope_store_kernel,
         decode=DecodeGraphConfig(enabled=False),
     )
     buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
@@ -583,6 +585,7 @@ def main() -> int:
     print(f"attention: {info.attention.name} ({info.attention.reason})")
     print(f"fused kernels: {info.kernels.name} ({info.kernels.reason})")
     print(f"gate_up kernel: {info.gate_up.name} ({info.gate_up.reason})")
+    print(f"rope_store kernel: {info.rope_store.name} ({info.rope_store.reason})")
     if rates and rates["copy"]:
         print(
             f"measured: copy {rates['copy'] / 1e12:.2f} TB/s, bf16 matmul sustained "
@@ -601,7 +604,8 @@ def main() -> int:
                             if worker.device.type == "cuda" else "cpu",
                             "attention": info.attention.to_json(),
                             "fused_kernels": info.kernels.to_json(),
-                            "gate_up_kernel": info.gate_up.to_json(), "hf_compiled_ms": hf,
+                            "gate_up_kernel": info.gate_up.to_json(),
+                            "rope_store_kernel": info.rope_store.to_json(), "hf_compiled_ms": hf,
                             "torch": torch.__version__, "args": vars(args)}, indent=2)
             )  # fmt: skip
 

@@ -28,6 +28,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flashinfer", "torch")
 FLASHINFER_KERNELS: tuple[str, ...] = ("auto", "fa2", "fa3")
 GateUpName = Literal["auto", "triton", "torch"]
 GATE_UP_KERNELS: tuple[str, ...] = ("auto", "triton", "torch")
+ROPE_STORE_KERNELS: tuple[str, ...] = GATE_UP_KERNELS  # the same three choices
 
 DEFAULT_CONTEXT_LENGTH_CAP = 4096  # used when the model allows more and the user sets nothing
 DEFAULT_CHUNKED_PREFILL_CPU = 2048
@@ -124,6 +125,9 @@ class EngineConfig:
     # the MLP's gate_up GEMM + SiLU-and-mul: "auto" takes one Triton kernel on sm90 where it is
     # faster than the pair (service.model.gate_up_tiles), else the projection then the activation
     gate_up_kernel: GateUpName = "auto"
+    # rotary on q and k and the K/V store: "auto" takes one Triton kernel on CUDA with FlashInfer's
+    # fused kernels (service.model.rope_store_triton), else the rotary kernel, then the store
+    rope_store_kernel: GateUpName = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -140,6 +144,11 @@ class EngineConfig:
             raise ConfigError(
                 f"unsupported gate_up kernel {self.gate_up_kernel!r}; "
                 f"supported: {list(GATE_UP_KERNELS)}"
+            )
+        if self.rope_store_kernel not in ROPE_STORE_KERNELS:
+            raise ConfigError(
+                f"unsupported rope_store kernel {self.rope_store_kernel!r}; "
+                f"supported: {list(ROPE_STORE_KERNELS)}"
             )
         if self.flashinfer_kernel not in FLASHINFER_KERNELS:
             raise ConfigError(

@@ -38,6 +38,9 @@ class RankInfo:
     attention: BackendChoice
     kernels: BackendChoice  # the model's fused elementwise kernels
     gate_up: BackendChoice  # the MLP's gate_up GEMM + SiLU-and-mul: "triton" or "torch"
+    # rotary + K/V store: "triton" (one kernel) or "torch" (FlashInfer's or torch's rotary, then
+    # the store)
+    rope_store: BackendChoice
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -70,6 +73,14 @@ def agree_rank_infos(infos: list[RankInfo]) -> RankInfo:
             "ranks chose different gate_up kernels: "
             + ", ".join(f"rank {i.rank}: {i.gate_up.name} ({i.gate_up.reason})" for i in infos)
             + "; pass --gate-up-kernel explicitly"
+        )
+    if len({i.rope_store.name for i in infos}) > 1:
+        raise ConfigError(
+            "ranks chose different rope_store kernels: "
+            + ", ".join(
+                f"rank {i.rank}: {i.rope_store.name} ({i.rope_store.reason})" for i in infos
+            )
+            + "; pass --rope-store-kernel explicitly"
         )
     return replace(
         first,

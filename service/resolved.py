@@ -80,12 +80,14 @@ class ResolvedConfig:
         limits = self.limits.to_json()
         model, attention = limits.pop("model_dir"), limits.pop("attention")
         kernels, gate_up = limits.pop("kernels"), limits.pop("gate_up")
+        rope_store = limits.pop("rope_store")
         return {
             "model": model,
             **limits,
             "attention_backend": attention,
             "fused_kernels": kernels,
             "gate_up_kernel": gate_up,
+            "rope_store_kernel": rope_store,
             "tp": self.tp,
             "executor": self.executor,
             "prefill_backend": self.plan.backend,

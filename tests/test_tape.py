@@ -191,6 +191,9 @@ class FakeBound:
     def store(self, k, v, key) -> None:
         pass
 
+    def kv_target(self, key):
+        return None
+
     def __call__(self, q, k, v, key, out=None):
         return out if self.in_place and out is not None else q.clone()
 

@@ -13,6 +13,7 @@ from service.config import (
     DEFAULT_STEP_TIMEOUT_S,
     FLASHINFER_KERNELS,
     GATE_UP_KERNELS,
+    ROPE_STORE_KERNELS,
     DecodeGraphConfig,
     EngineConfig,
     GraphConfig,
@@ -178,6 +179,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         help="the MLP's gate_up GEMM + SiLU-and-mul: auto (one Triton kernel on sm90 at the token "
         "counts where it is faster, else the pair), triton, torch (the pair)",
     )
+    p.add_argument(
+        "--rope-store-kernel",
+        choices=ROPE_STORE_KERNELS,
+        default="auto",
+        help="rotary on q and k and the K/V store: auto (one Triton kernel on CUDA with "
+        "FlashInfer's fused kernels, else the rotary kernel then the store), triton, torch",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument(
@@ -237,4 +245,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         flashinfer_kernel=args.flashinfer_kernel,
         fused_kernels=args.fused_kernels,
         gate_up_kernel=args.gate_up_kernel,
+        rope_store_kernel=args.rope_store_kernel,
     )

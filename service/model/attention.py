@@ -9,6 +9,7 @@ a backend looks up exactly its key, so one path never receives the other's head 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +89,17 @@ class AttendCall:
     out: torch.Tensor
 
 
+@dataclass(frozen=True, eq=False)
+class KVTarget:
+    """Where one layer's K/V of this pass go, for a kernel that writes them itself (rotary and
+    the store in one, service.model.kernels): the layer's cache (num_slots + 1, 2, Hkv, D), each
+    token's slot (T,), and the bound attention's own ``store(k, v)`` for the fallback."""
+
+    cache: torch.Tensor
+    loc: torch.Tensor
+    store: Callable[[torch.Tensor, torch.Tensor], None]
+
+
 class BoundAttention(Protocol):
     """Attention bound to one forward's batch: what a model layer calls, in this order.
 
@@ -102,6 +114,11 @@ class BoundAttention(Protocol):
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         """Write this pass's k, v (T, Hkv*D) into the KV cache (an implementation may defer
         it to the call)."""
+
+    def kv_target(self, key: AttentionKey) -> KVTarget | None:
+        """Where a kernel may write this pass's K/V of ``key`` itself, instead of :meth:`store`;
+        None where it may not (a path that stores nothing or otherwise, a store deferred to the
+        call)."""
 
     def __call__(
         self,

@@ -19,11 +19,13 @@ fused qkv tensor (row stride larger than their width).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.model.attention import KVTarget
 from service.model.rotary import cos_sin_at
 
 
@@ -34,6 +36,35 @@ class Kernels:
     # service.model.gate_up_triton.gate_up_silu where the rank chose the fused gate_up kernel
     # (service.ranks.select.choose_gate_up), else None: the projection, then silu_and_mul
     _fused_gate_up: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
+
+    # service.model.rope_store_triton where the rank chose the rotary + K/V store kernel
+    # (service.ranks.select.choose_rope_store), else None: the rotary kernel, then the store
+    _rope_store: Any = None
+
+    def use_rope_store(self) -> None:
+        from service.model import rope_store_triton  # needs triton
+
+        self._rope_store = rope_store_triton
+
+    def stores_kv(self) -> bool:
+        """Whether :meth:`rope_qkv_store` is the call to make: a rotary + K/V store kernel was
+        chosen, and this is not a compiled trace (``tc_piecewise``'s pieces defer the store to
+        their attention op)."""
+        return self._rope_store is not None and not torch.compiler.is_compiling()
+
+    def rope_qkv_store(
+        self,
+        ctx: object,
+        qkv: torch.Tensor,
+        sizes: tuple[int, int, int],
+        head_dim: int,
+        target: KVTarget,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`rope_qkv`, then k and v to their slots of ``target``'s cache. The reference:
+        the two, one after the other."""
+        q, k, v = self.rope_qkv(ctx, qkv, sizes, head_dim)
+        target.store(k, v)
+        return q, k, v
 
     def use_fused_gate_up(self) -> None:
         from service.model.gate_up_triton import gate_up_silu  # needs triton
@@ -163,6 +194,29 @@ class FlashInferKernels(Kernels):
             positions, q, k, head_dim, cache, is_neox=True
         )
         return q, k
+
+    def rope_qkv_store(
+        self,
+        ctx: object,
+        qkv: torch.Tensor,
+        sizes: tuple[int, int, int],
+        head_dim: int,
+        target: KVTarget,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # one kernel: q and k rotated in place in qkv, K and V written to their slots
+        m = self._rope_store
+        heads = (sizes[0] // head_dim, sizes[1] // head_dim)
+        if (
+            m is not None
+            and not torch.compiler.is_compiling()
+            and sizes[1] == sizes[2]
+            and m.fits(qkv, heads, head_dim, target.cache)
+        ):
+            positions, cache = ctx  # type: ignore[misc]
+            m.rope_store(qkv, heads, head_dim, positions, cache, target.cache, target.loc)
+            q, k, v = qkv.split(sizes, dim=-1)
+            return q, k, v
+        return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

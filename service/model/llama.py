@@ -30,6 +30,7 @@ from service.model.attention import (
     AttentionRegistry,
     AttentionSpec,
     BoundAttention,
+    KVTarget,
 )
 from service.model.kernels import Kernels
 from service.model.parallel import (
@@ -101,15 +102,22 @@ class Attention(nn.Module):
         )
 
     def qkv(
-        self, h: torch.Tensor, rope: object, out: torch.Tensor | None = None
+        self,
+        h: torch.Tensor,
+        rope: object,
+        out: torch.Tensor | None = None,
+        kv: KVTarget | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed hidden (T, H) -> rotated q (T, Hq*D), k and v (T, Hkv*D).
+        """Normed hidden (T, H) -> rotated q (T, Hq*D), k and v (T, Hkv*D); with ``kv``, k and
+        v are also stored there (in the same kernel where the kernels can).
 
         The projection is written into ``out`` (T, (Hq + 2 Hkv) D) when given; q, k, v are
         column slices of it (no copies), rotated in place where the kernels do so.
         """
         qkv = self.qkv_proj(h, out=out)
         sizes = (self.q_size, self.kv_size, self.kv_size)
+        if kv is not None:
+            return self.kernels.rope_qkv_store(rope, qkv, sizes, self.head_dim, kv)
         return self.kernels.rope_qkv(rope, qkv, sizes, self.head_dim)
 
 
@@ -189,11 +197,13 @@ class DecoderLayer(PreNormLayer):
         residual: torch.Tensor | None,
         rope: object,
         qkv_out: torch.Tensor | None = None,
+        kv: KVTarget | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The previous layer's output x (T, H) (the embeddings for layer 0, whose residual is
-        None) -> q (T, Hq*D), k, v (T, Hkv*D) and the residual stream (T, H) with x added."""
+        None) -> q (T, Hq*D), k, v (T, Hkv*D) and the residual stream (T, H) with x added; k
+        and v stored at ``kv`` when given."""
         h, residual = self.norm_input(x, residual)
-        q, k, v = self.self_attn.qkv(h, rope, qkv_out)
+        q, k, v = self.self_attn.qkv(h, rope, qkv_out, kv)
         return q, k, v, residual
 
     def post_attention(
@@ -284,9 +294,7 @@ class CausalLM(nn.Module):
         """Embed and start layer 0: -> residual (T, H), q, k, v; layer 0's K/V stored."""
         rope = self.kernels.rope_context(positions, self.rotary.cos_sin_cache)
         x = self.embed_tokens(input_ids)
-        q, k, v, residual = self.layers[0].pre_attention(x, None, rope, qkv_out)
-        attention.store(k, v, self.key(0))
-        return residual, q, k, v
+        return self._start_layer(0, x, None, rope, attention, qkv_out)
 
     def middle_segment(
         self,
@@ -300,8 +308,25 @@ class CausalLM(nn.Module):
         """Finish layer i-1 and start layer i; layer i's K/V stored."""
         rope = self.kernels.rope_context(positions, self.rotary.cos_sin_cache)
         x, residual = self.layers[i - 1].post_attention(attn_out, residual)
-        q, k, v, residual = self.layers[i].pre_attention(x, residual, rope, qkv_out)
-        attention.store(k, v, self.key(i))
+        return self._start_layer(i, x, residual, rope, attention, qkv_out)
+
+    def _start_layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: object,
+        attention: BoundAttention,
+        qkv_out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i up to its attention, its K/V stored: -> residual (T, H), q, k, v. Where the
+        kernels rotate and store in one kernel, the attention says where K/V go and the kernel
+        writes them; otherwise the attention stores the rotated k and v."""
+        key = self.key(i)
+        target = attention.kv_target(key) if self.kernels.stores_kv() else None
+        q, k, v, residual = self.layers[i].pre_attention(x, residual, rope, qkv_out, target)
+        if target is None:
+            attention.store(k, v, key)
         return residual, q, k, v
 
     def last_segment(

@@ -154,6 +154,38 @@ def choose_gate_up(
     return choose(requested, flag, blocker, "triton", "auto: CUDA sm90, triton installed", untuned)
 
 
+def choose_rope_store(
+    requested: str,
+    device_type: str,
+    dtype: str,
+    head_dim: int,
+    fused_kernels: str,
+    import_error: str | None,
+    mla: bool = False,
+) -> BackendChoice:
+    """Rotary on q and k and the K/V store: one Triton kernel ("triton",
+    service.model.rope_store_triton) or the rotary kernel, then the indexed store ("torch").
+    The kernel reads the positions and the cos/sin table as FlashInfer's rotary does, so it runs
+    with FlashInfer's fused kernels."""
+    flag = "--rope-store-kernel"
+    if device_type != "cuda":
+        blocker: str | None = f"the kernel needs a CUDA device (this rank runs on {device_type})"
+    elif mla:
+        blocker = "MLA's rotary is its own (interleaved pairs on the shared key)"
+    elif import_error is not None:
+        blocker = f"triton is not importable ({import_error})"
+    elif dtype not in FLASHINFER_DTYPES:
+        blocker = f"dtype {dtype} is not one of the kernel's {list(FLASHINFER_DTYPES)}"
+    elif head_dim < 2 or head_dim & (head_dim - 1):
+        blocker = f"head dim {head_dim} is not a power of two"
+    elif fused_kernels != "flashinfer":
+        blocker = "it runs with FlashInfer's fused kernels (--fused-kernels flashinfer)"
+    else:
+        blocker = None
+    return choose(requested, flag, blocker, "triton", "auto: CUDA, triton installed, FlashInfer's "
+                  "fused kernels")  # fmt: skip
+
+
 def triton_import_error() -> str | None:
     """None when ``import triton`` works, else the error's one-line text."""
     try:

@@ -41,6 +41,7 @@ from service.ranks.select import (
     choose_attention,
     choose_gate_up,
     choose_kernels,
+    choose_rope_store,
     flashinfer_import_error,
     triton_import_error,
 )
@@ -98,6 +99,18 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         shape_blocker(arch.hidden_size, arch.intermediate_size // tp.world_size, dtype.itemsize),
     )
     log.info("gate_up kernel: %s (%s)", gate_up.name, gate_up.reason)
+    rope_store = choose_rope_store(
+        cfg.rope_store_kernel,
+        device.type,
+        dtype_name,
+        arch.head_dim,
+        kernels.name,
+        triton_import_error()
+        if device.type == "cuda" and cfg.rope_store_kernel != "torch"
+        else None,
+        mla=arch.mla is not None,
+    )
+    log.info("rope_store kernel: %s (%s)", rope_store.name, rope_store.reason)
     model = build_model(
         model_dir,
         tp=tp,
@@ -107,7 +120,11 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         load_format=cfg.load_format,
         seed=cfg.seed,
         cfg=arch,
-        kernels=make_kernels(kernels.name, fused_gate_up=gate_up.name == "triton"),
+        kernels=make_kernels(
+            kernels.name,
+            fused_gate_up=gate_up.name == "triton",
+            rope_store=rope_store.name == "triton",
+        ),
     )
     parts, kv_heads, kv_dim = model.kv_entry()
     layout = KVLayout(
@@ -150,14 +167,17 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         attention=choice,
         kernels=kernels,
         gate_up=gate_up,
+        rope_store=rope_store,
     )
     return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, decode, info)
 
 
-def make_kernels(name: str, fused_gate_up: bool = False) -> Kernels:
+def make_kernels(name: str, fused_gate_up: bool = False, rope_store: bool = False) -> Kernels:
     kernels = FlashInferKernels() if name == "flashinfer" else Kernels()
     if fused_gate_up:
         kernels.use_fused_gate_up()
+    if rope_store:
+        kernels.use_rope_store()
     return kernels
 
 

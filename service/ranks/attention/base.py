@@ -6,6 +6,7 @@ the attend function type) lives in :mod:`service.model.attention`; backends impl
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from service.model.attention import (
     AttentionRegistry,
     AttentionSpec,
     BoundAttention,
+    KVTarget,
 )
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
@@ -191,6 +193,15 @@ class Bound:
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         self.backend.store(k, v, key, self.batch)
+
+    def kv_target(self, key: AttentionKey) -> KVTarget | None:
+        spec = self.backend.registry.spec(key)
+        if spec.kind == MLA_NEW:
+            return None
+        cache = self.backend.kv.kv[spec.kv_layer]
+        if cache.shape[1] != 2:  # a one-part layout (MLA's latent) is stored its own way
+            return None
+        return KVTarget(cache, self.batch.out_cache_loc, functools.partial(self.store, key=key))
 
     def __call__(
         self,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.model.attention import AttentionKey, BoundAttention
+from service.model.attention import AttentionKey, BoundAttention, KVTarget
 from service.ranks.kv_pool import store_entries
 
 OP_NAME = "capture_service::attention"
@@ -199,6 +199,9 @@ class OpAttention:
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         return None
+
+    def kv_target(self, key: AttentionKey) -> KVTarget | None:
+        return None  # the store is deferred to the attention op, next to it in the trace
 
     def __call__(
         self,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from service.errors import CaptureFailed
-from service.model.attention import AttendCall, AttentionKey, BoundAttention
+from service.model.attention import AttendCall, AttentionKey, BoundAttention, KVTarget
 from service.ranks.attention.base import AttendCalls, Bound, Launcher
 from service.ranks.runners.graph_capture import CapturedCall
 
@@ -103,6 +103,9 @@ class RecordingAttention:
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         self.inner.store(k, v, key)
+
+    def kv_target(self, key: AttentionKey) -> KVTarget | None:
+        return self.inner.kv_target(key)
 
     def __call__(
         self,

@@ -1,0 +1,115 @@
+"""Rotary on q and k and the K/V store into the cache, one Triton kernel (CUDA).
+
+``rope_store(qkv, ...)``: qkv (T, (Hq + 2 Hkv) D) is the fused projection (q, k, v column
+blocks, rows maybe wider than that); q and k are rotated in place ("rotate half" layout, cos and
+sin read from the float32 table at each token's position), and each token's rotated K and its V
+are written to its slot of the layer's cache (num_slots + 1, 2, Hkv, D). Before, this was
+FlashInfer's rotary kernel, then an indexed copy of K and V: two kernels a layer and one more
+pass over k and v (on the H200 at 2,048 tokens, 5.5 + 3.2 us a layer; docs/benchmarks.md,
+session 31).
+
+One program per (block of tokens, head): q heads are rotated, k heads rotated and stored, v
+heads stored. Padded tokens carry the padding slot, which any number of them may overwrite.
+
+Numerics: each element is a * cos - b * sin (or b * cos + a * sin) in float32, rounded once to
+the input dtype, as the torch reference computes it; the compiler may contract a multiply and
+the subtraction into one FMA, so a result can differ from the reference by one rounding.
+
+Imported only where the rank chose it (service.ranks.select.choose_rope_store): it needs triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from service.model.rope_store_policy import block_tokens
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr,  # (T, >= (HQ + 2 HKV) D), row stride qkv_stride
+    qkv_stride,
+    pos_ptr,  # (T,) positions
+    cs_ptr,  # (P, D) float32: cos in [0, D/2), sin in [D/2, D); row stride cs_stride
+    cs_stride,
+    kv_ptr,  # (S + 1, 2, HKV, D): slot stride slot_stride, K at part 0, V at part 1
+    slot_stride,
+    loc_ptr,  # (T,) slots
+    T,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BT: tl.constexpr,
+):
+    HALF: tl.constexpr = D // 2
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    live = rows < T
+    mask = live[:, None]
+    cols = tl.arange(0, HALF)[None, :]
+    src = qkv_ptr + rows[:, None].to(tl.int64) * qkv_stride + head * D + cols
+    lo = tl.load(src, mask=mask)
+    hi = tl.load(src + HALF, mask=mask)
+    slot = tl.load(loc_ptr + rows, mask=live, other=0).to(tl.int64)[:, None]
+    if head < HQ + HKV:  # q or k: rotate in place
+        pos = tl.load(pos_ptr + rows, mask=live, other=0).to(tl.int64)[:, None]
+        table = cs_ptr + pos * cs_stride + cols
+        cos = tl.load(table, mask=mask)
+        sin = tl.load(table + HALF, mask=mask)
+        a = lo.to(tl.float32)
+        b = hi.to(tl.float32)
+        lo = (a * cos - b * sin).to(qkv_ptr.dtype.element_ty)
+        hi = (b * cos + a * sin).to(qkv_ptr.dtype.element_ty)
+        tl.store(src, lo, mask=mask)
+        tl.store(src + HALF, hi, mask=mask)
+        if head >= HQ:  # k: and into the cache
+            dst = kv_ptr + slot * slot_stride + (head - HQ) * D + cols
+            tl.store(dst, lo, mask=mask)
+            tl.store(dst + HALF, hi, mask=mask)
+    else:  # v: into the cache as it is
+        dst = kv_ptr + slot * slot_stride + (HKV * D) + (head - HQ - HKV) * D + cols
+        tl.store(dst, lo, mask=mask)
+        tl.store(dst + HALF, hi, mask=mask)
+
+
+def fits(qkv: torch.Tensor, heads: tuple[int, int], head_dim: int, kv: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: a row-major qkv of the cache's dtype wide enough
+    for the heads, a contiguous two-part cache of ``heads[1]`` K/V heads, a power-of-two D."""
+    hq, hkv = heads
+    return (
+        qkv.is_cuda
+        and qkv.dim() == 2
+        and qkv.stride(1) == 1
+        and qkv.shape[1] >= (hq + 2 * hkv) * head_dim
+        and qkv.dtype == kv.dtype
+        and qkv.dtype in (torch.float16, torch.bfloat16)
+        and kv.is_contiguous()
+        and tuple(kv.shape[1:]) == (2, hkv, head_dim)
+        and head_dim >= 2
+        and head_dim & (head_dim - 1) == 0
+    )
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    heads: tuple[int, int],
+    head_dim: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """Rotate qkv's q and k heads in place and store K and V at ``loc`` (T,) in ``kv``;
+    ``heads``: (Hq, Hkv). The caller checked :func:`fits`."""
+    t = qkv.shape[0]
+    if t == 0:
+        return
+    hq, hkv = heads
+    bt = block_tokens(t)
+    grid = (triton.cdiv(t, bt), hq + 2 * hkv)
+    _rope_store_kernel[grid](
+        qkv, qkv.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0),
+        kv, kv.stride(0), loc, t, HQ=hq, HKV=hkv, D=head_dim, BT=bt, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,227 @@
+"""Rotary on q and k and the K/V store as one Triton kernel: which ranks may choose it and why,
+what /server_info says, the model's route through the attention's KV target (on CPU, with the
+reference); on CUDA (gpu marker) the kernel against the torch reference and the model with it
+against the model without it, eager and replayed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.buckets import decide_replay
+from service.cli.args import add_engine_arguments, engine_config_from_args
+from service.config import EngineConfig, GraphConfig
+from service.engine import Engine
+from service.errors import ConfigError
+from service.model.kernels import Kernels
+from service.model.rope_store_policy import block_tokens
+from service.ranks.select import choose_rope_store
+from tests.batches import live_batch
+
+
+@given(st.integers(min_value=1, max_value=100_000))
+def test_a_block_is_a_power_of_two_and_small_batches_get_small_ones(tokens):
+    bt = block_tokens(tokens)
+    assert bt & (bt - 1) == 0
+    assert bt <= max(16, tokens)  # a small batch never leaves most of its one block empty
+
+
+def test_the_choice_says_why_and_refuses_what_cannot_run():
+    auto = choose_rope_store("auto", "cuda", "bfloat16", 128, "flashinfer", None)
+    assert auto.name == "triton" and "triton installed" in auto.reason
+    cpu = choose_rope_store("auto", "cpu", "float32", 128, "torch", None)
+    assert cpu.name == "torch" and "CUDA device" in cpu.reason
+    torch_kernels = choose_rope_store("auto", "cuda", "bfloat16", 128, "torch", None)
+    assert torch_kernels.name == "torch" and "--fused-kernels flashinfer" in torch_kernels.reason
+    mla = choose_rope_store("auto", "cuda", "bfloat16", 128, "flashinfer", None, mla=True)
+    assert mla.name == "torch" and "MLA" in mla.reason
+    missing = choose_rope_store("auto", "cuda", "bfloat16", 128, "flashinfer", "ImportError: x")
+    assert missing.name == "torch" and "triton is not importable" in missing.reason
+    odd = choose_rope_store("auto", "cuda", "bfloat16", 96, "flashinfer", None)
+    assert odd.name == "torch" and "power of two" in odd.reason
+    fp32 = choose_rope_store("auto", "cuda", "float32", 128, "flashinfer", None)
+    assert fp32.name == "torch" and "float32" in fp32.reason
+    assert (
+        "asked for"
+        in choose_rope_store("torch", "cuda", "bfloat16", 128, "flashinfer", None).reason
+    )
+    with pytest.raises(ConfigError, match=r"--rope-store-kernel triton cannot run here: .*CUDA"):
+        choose_rope_store("triton", "cpu", "float32", 128, "torch", None)
+    with pytest.raises(ConfigError, match=r"supported: \['auto', 'triton', 'torch'\]"):
+        EngineConfig(rope_store_kernel="cuda")
+
+
+def test_the_flag_reaches_the_config_and_server_info_reports_the_choice():
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    got = engine_config_from_args(p.parse_args(["--rope-store-kernel", "torch"]))
+    assert got.rope_store_kernel == "torch"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--rope-store-kernel", "cuda"])
+    e = Engine(EngineConfig(device="cpu", context_length=64, kv_cache_memory_bytes=8 << 20,
+                            graph=GraphConfig(backend="eager")))  # fmt: skip
+    info = e.resolved.to_json()
+    assert info["rope_store_kernel"]["name"] == "torch"
+    assert "CUDA device" in info["rope_store_kernel"]["reason"]
+
+
+def _engine(backend: str, device: str, **kw) -> Engine:
+    return Engine(
+        EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                     context_length=512, max_running_requests=8, chunked_prefill_size=256,
+                     kv_cache_memory_bytes=32 << 20,
+                     graph=GraphConfig(backend=backend, buckets=(64, 256)), **kw),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["eager", "full", "breakable", "tc_piecewise"])
+def test_the_model_stores_through_the_kv_target_where_the_kernels_say_so(backend, monkeypatch):
+    """CPU, with the reference (rotary, then the bound attention's own store) behind the KV
+    target: the same logits and the same cache bit for bit as the plain route, and the route
+    really ran (a target whose cache or slots were wrong, a layer that stored twice or not at all,
+    would change the cache or the next prefill's logits). tc_piecewise's compiled pieces keep the
+    deferred store: their attention gives no target."""
+    import service.ranks.startup as startup
+
+    calls: list[int] = []
+
+    class Spy(Kernels):
+        def rope_qkv_store(self, ctx, qkv, sizes, head_dim, target):
+            calls.append(target.loc.shape[0])
+            assert target.cache.shape[1:] == (2, sizes[1] // head_dim, head_dim)
+            return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
+
+    def spy_kernels(name, fused_gate_up=False, rope_store=False):
+        k = Spy()
+        k._rope_store = "reference"  # any chosen kernel routes through the target
+        return k
+
+    plain = _engine(backend, "cpu")
+    monkeypatch.setattr(startup, "make_kernels", spy_kernels)
+    routed = _engine(backend, "cpu")
+    assert type(routed.executor.worker.model.kernels) is Spy
+    outs = []
+    for e in (plain, routed):
+        w = e.executor.worker
+        first = live_batch(w, (20, 17, 11), seed=3)
+        hit = decide_replay(e.resolved.plan, 48, 3)
+        with torch.inference_mode():
+            runner = w.eager_runner if backend == "eager" else w.runner
+            got = runner.run(first, hit).clone()
+            cache = torch.stack([t.clone() for t in w.kv.kv])
+        outs.append((got, cache))
+    (p_out, p_cache), (r_out, r_cache) = outs
+    assert torch.equal(p_out, r_out)
+    assert torch.equal(p_cache, r_cache) and p_cache.abs().sum() > 0
+    if backend == "tc_piecewise":
+        assert calls == [] or all(n > 0 for n in calls)  # eager warm-up calls only
+    else:
+        assert calls and set(calls) <= {48, 64, 256}  # eager rows, or a bucket's padded rows
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+def _needs_triton() -> None:
+    pytest.importorskip("triton", reason="needs triton")
+
+
+def _reference(qkv, heads, d, positions, table, kv, loc):
+    """The torch reference on copies: rotate q and k ("rotate half", float32), store K and V."""
+    from service.model.kernels import _rotate
+    from service.ranks.kv_pool import store_entries
+
+    hq, hkv = heads
+    t = qkv.shape[0]
+    qkv, kv = qkv.clone(), kv.clone()
+    cos, sin = table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    qk = qkv[:, : (hq + hkv) * d].reshape(t, hq + hkv, d)
+    qkv[:, : (hq + hkv) * d] = _rotate(qk, cos, sin).reshape(t, -1)
+    k = qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d : (hq + 2 * hkv) * d].reshape(t, hkv, d)
+    store_entries(kv, loc, k, v)
+    return qkv, kv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 37, 1023, 2048, 2051])
+@pytest.mark.parametrize("heads,d", [((12, 2), 128), ((4, 4), 64)])
+def test_the_kernel_matches_the_torch_reference(tokens, heads, d):
+    """Rows wider than q, k and v (a padded qkv buffer), positions out of order, slots shuffled
+    with padded tokens on the padding slot: q and k within one bf16 rounding of the reference,
+    v and the columns past v untouched, and the cache holding exactly what the kernel left in k
+    and v (a kernel that swapped halves, mixed heads, stored unrotated K or wrote the wrong slot
+    fails)."""
+    _needs_triton()
+    from service.model import rope_store_triton as rs
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(tokens + d)
+    hq, hkv = heads
+    width = (hq + 2 * hkv) * d
+    buf = torch.randn(tokens, width + 64, generator=g, device=dev).to(torch.bfloat16)
+    qkv = buf[:, :width]
+    positions = torch.randperm(4096, generator=g, device=dev)[:tokens]
+    table = torch.randn(4096, d, generator=g, device=dev)  # any float32 table
+    slots = tokens + 10
+    loc = torch.randperm(slots, generator=g, device=dev)[:tokens] + 1
+    loc[tokens // 2 :: 7] = 0  # padded tokens: the padding slot, written by any of them
+    kv = torch.zeros(slots + 1, 2, hkv, d, dtype=torch.bfloat16, device=dev)
+    want_qkv, want_kv = _reference(qkv, heads, d, positions, table, kv, loc)
+    before = buf.clone()
+    assert rs.fits(qkv, heads, d, kv)
+    rs.rope_store(qkv, heads, d, positions, table, kv, loc)
+    torch.cuda.synchronize()
+    rot = (hq + hkv) * d
+    scale = want_qkv[:, :rot].float().abs().max()
+    assert ((qkv[:, :rot].float() - want_qkv[:, :rot].float()).abs().max() / scale) < 8e-3
+    assert torch.equal(qkv[:, rot:], before[:, rot:width])  # v as it was
+    assert torch.equal(buf[:, width:], before[:, width:])  # past the row's qkv: untouched
+    live = loc != 0
+    k = qkv[:, hq * d : rot].reshape(tokens, hkv, d)
+    v = qkv[:, rot:width].reshape(tokens, hkv, d)
+    assert torch.equal(kv[loc[live], 0], k[live]) and torch.equal(kv[loc[live], 1], v[live])
+    untouched = torch.ones(slots + 1, dtype=torch.bool, device=dev)
+    untouched[loc] = False
+    assert kv[untouched].abs().sum().item() == 0  # no slot outside loc was written
+    assert torch.equal(want_kv[untouched], kv[untouched])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["breakable", "full", "eager"])
+def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeypatch):
+    """The built-in model in bf16 with FlashInfer's fused kernels, with and without the rotary +
+    store kernel: logits within 2e-2 of their scale (one rounding of q and k apart), and the
+    kernel really ran, in the captured graphs and in eager calls."""
+    _needs_triton()
+    pytest.importorskip("flashinfer", reason="the kernel runs with FlashInfer's fused kernels")
+    from service.model import rope_store_triton as rs
+
+    rows: list[int] = []
+    real = rs.rope_store
+    monkeypatch.setattr(
+        rs, "rope_store", lambda qkv, *a: rows.append(qkv.shape[0]) or real(qkv, *a)
+    )
+    on = _engine(backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="triton")
+    off = _engine(backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="torch")
+    assert on.resolved.limits.rope_store.name == "triton"
+    assert off.resolved.limits.rope_store.name == "torch"
+    if backend != "eager":
+        assert 64 in rows  # captured: the 64-token bucket's graphs launch the kernel
+    outs = []
+    for e in (on, off):
+        w = e.executor.worker
+        batch = live_batch(w, (20, 17, 11), seed=3)
+        hit = decide_replay(e.resolved.plan, 48, 3)
+        with torch.inference_mode():
+            eager = w.eager_runner.run(batch, hit).float()
+            runner = w.eager_runner if backend == "eager" else w.runner
+            outs.append((eager, runner.run(batch, hit).float()))
+    (on_eager, on_run), (off_eager, off_run) = outs
+    assert 48 in rows  # eager calls take it too
+    scale = off_eager.abs().max().item()
+    assert (on_eager - off_eager).abs().max().item() < 2e-2 * scale
+    assert (on_run - off_run).abs().max().item() < 2e-2 * scale
+    assert (on_run - on_eager).abs().max().item() < 2e-2 * scale
