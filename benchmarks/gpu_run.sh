@@ -63,10 +63,12 @@ model_dir() {  # Qwen2.5-1.5B shapes from config.json alone (random bf16 weights
 for what in "$@"; do
   case $what in
     tests)
+      # GPU_TESTS: these test files instead of all of them
       step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -m gpu --deselect \
-        "tests/test_api.py::test_seed_scenario_on_cuda[breakable]" \
-        tests/test_kernels.py tests/test_gate_up.py tests/test_rope_store.py tests/test_honest_replay.py tests/test_decode_graphs.py \
-        tests/test_flashinfer.py tests/test_graph_runners.py tests/test_api.py tests/test_deepseek.py ;;
+        "tests/test_api.py::test_seed_scenario_on_cuda[breakable]" ${GPU_TESTS:-tests/test_kernels.py \
+        tests/test_gate_up.py tests/test_rope_store.py tests/test_honest_replay.py \
+        tests/test_decode_graphs.py tests/test_flashinfer.py tests/test_graph_runners.py \
+        tests/test_api.py tests/test_deepseek.py} ;;
     decode)
       # DECODE_ARGS: more arguments, e.g. "--gate-up-kernel torch" for the other arm of an A/B
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
