@@ -72,6 +72,7 @@ def test_the_flag_reaches_the_config_and_server_info_reports_the_choice():
 def _engine(backend: str, device: str, **kw) -> Engine:
     return Engine(
         EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                     # (`**kw` may name a model: FlashInfer needs a head dim the built-in lacks)
                      context_length=512, max_running_requests=8, chunked_prefill_size=256,
                      kv_cache_memory_bytes=32 << 20,
                      graph=GraphConfig(backend=backend, buckets=(64, 256)), **kw),
@@ -187,25 +188,63 @@ def test_the_kernel_matches_the_torch_reference(tokens, heads, d):
     untouched[loc] = False
     assert kv[untouched].abs().sum().item() == 0  # no slot outside loc was written
     assert torch.equal(want_kv[untouched], kv[untouched])
+    # out of place (the op compiled pieces call): the same bits in a new tensor, qkv as it was
+    kv2 = torch.zeros_like(kv)
+    fresh = before[:, :width].clone()
+    got = rs.rope_store_qkv_op(fresh, hq, hkv, d, positions, table, kv2, loc)
+    assert torch.equal(fresh, before[:, :width])
+    assert got.shape == (tokens, width) and torch.equal(got, qkv)
+    assert torch.equal(kv2[loc[live]], kv[loc[live]])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["breakable", "full", "eager"])
-def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeypatch):
+def test_the_op_in_a_compiled_function_gives_the_kernels_bits():
+    """tc_piecewise's pieces call the op with symbolic token counts: a compiled function over it
+    returns what a direct call returns and writes the same cache, at several sizes."""
+    _needs_triton()
+    from service.model import rope_store_triton as rs
+
+    dev = torch.device("cuda")
+    table = torch.randn(512, 128, device=dev)
+    torch._dynamo.reset()
+
+    def piece(qkv, positions, kv, loc):
+        return rs.rope_store_qkv_op(qkv, 4, 2, 128, positions, table, kv, loc) * 2
+
+    fn = torch.compile(piece, dynamic=True, fullgraph=True)
+    for tokens in (16, 300, 64):
+        qkv = torch.randn(tokens, 8 * 128, device=dev).to(torch.bfloat16)
+        positions = torch.arange(tokens, device=dev)
+        loc = torch.arange(1, tokens + 1, device=dev)
+        kv_a = torch.zeros(tokens + 1, 2, 2, 128, dtype=torch.bfloat16, device=dev)
+        kv_b = torch.zeros_like(kv_a)
+        got = fn(qkv, positions, kv_a, loc)
+        want = piece(qkv, positions, kv_b, loc)
+        assert torch.equal(got, want) and torch.equal(kv_a, kv_b) and kv_a.abs().sum() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["breakable", "full", "tc_piecewise", "eager"])
+def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeypatch, tmp_path):
     """The built-in model in bf16 with FlashInfer's fused kernels, with and without the rotary +
     store kernel: logits within 2e-2 of their scale (one rounding of q and k apart), and the
-    kernel really ran, in the captured graphs and in eager calls."""
+    kernel really ran, in the captured graphs and in eager calls (tc_piecewise: through the op
+    in its compiled pieces, which then emit no store of their own), and every layer's K/V in
+    the cache after the run as eager stores them (the ragged attention reads K/V from the
+    projection, so only the cache shows a run that stored nothing)."""
     _needs_triton()
     pytest.importorskip("flashinfer", reason="the kernel runs with FlashInfer's fused kernels")
     from service.model import rope_store_triton as rs
+    from tests.fi_model import write_fi_model
 
+    model = {"model_path": str(write_fi_model(tmp_path / "model")), "load_format": "random"}
     rows: list[int] = []
     real = rs.rope_store
     monkeypatch.setattr(
-        rs, "rope_store", lambda qkv, *a: rows.append(qkv.shape[0]) or real(qkv, *a)
+        rs, "rope_store", lambda qkv, *a, **kw: rows.append(qkv.shape[0]) or real(qkv, *a, **kw)
     )
-    on = _engine(backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="triton")
-    off = _engine(backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="torch")
+    on = _engine(backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="triton", **model)
+    off = _engine(backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="torch", **model)
     assert on.resolved.limits.rope_store.name == "triton"
     assert off.resolved.limits.rope_store.name == "torch"
     if backend != "eager":
@@ -215,13 +254,23 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
         w = e.executor.worker
         batch = live_batch(w, (20, 17, 11), seed=3)
         hit = decide_replay(e.resolved.plan, 48, 3)
+        runner = w.eager_runner if backend == "eager" else w.runner
         with torch.inference_mode():
             eager = w.eager_runner.run(batch, hit).float()
-            runner = w.eager_runner if backend == "eager" else w.runner
-            outs.append((eager, runner.run(batch, hit).float()))
-    (on_eager, on_run), (off_eager, off_run) = outs
+            eager_cache = torch.stack([t.float() for t in w.kv.kv])
+            for t in w.kv.kv:  # what the run stores, not what eager left there
+                t.zero_()
+            run = runner.run(batch, hit).float()
+            run_cache = torch.stack([t.float() for t in w.kv.kv])
+        outs.append((eager, run, eager_cache, run_cache))
+    (on_eager, on_run, on_ecache, on_rcache), (off_eager, off_run, off_ecache, _) = outs
     assert 48 in rows  # eager calls take it too
     scale = off_eager.abs().max().item()
     assert (on_eager - off_eager).abs().max().item() < 2e-2 * scale
     assert (on_run - off_run).abs().max().item() < 2e-2 * scale
     assert (on_run - on_eager).abs().max().item() < 2e-2 * scale
+    # every layer's K/V stored by the run, as eager stores them (the padding slot aside)
+    kv_scale = off_ecache.abs().max().item()
+    assert kv_scale > 0 and (on_rcache[:, 1:].abs().amax(dim=(1, 2, 3, 4)) > 0).all()
+    assert (on_rcache[:, 1:] - on_ecache[:, 1:]).abs().max().item() < 2e-2 * kv_scale
+    assert (on_ecache[:, 1:] - off_ecache[:, 1:]).abs().max().item() < 2e-2 * kv_scale

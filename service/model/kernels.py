@@ -179,8 +179,12 @@ class FlashInferKernels(Kernels):
         self.fi.norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual
 
+    def stores_kv(self) -> bool:
+        # compiled pieces too: there the kernel is one opaque op (rope_store_qkv_op)
+        return self._rope_store is not None
+
     def rope_context(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> object:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and self._rope_store is None:
             return super().rope_context(positions, cos_sin_cache)
         return positions, cos_sin_cache  # the kernel reads the table at each position itself
 
@@ -203,20 +207,26 @@ class FlashInferKernels(Kernels):
         head_dim: int,
         target: KVTarget,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # one kernel: q and k rotated in place in qkv, K and V written to their slots
+        # one kernel: q and k rotated (in place in qkv, or into the op's new tensor when
+        # compiled), K and V written to their slots
         m = self._rope_store
         heads = (sizes[0] // head_dim, sizes[1] // head_dim)
-        if (
-            m is not None
-            and not torch.compiler.is_compiling()
-            and sizes[1] == sizes[2]
-            and m.fits(qkv, heads, head_dim, target.cache)
-        ):
-            positions, cache = ctx  # type: ignore[misc]
-            m.rope_store(qkv, heads, head_dim, positions, cache, target.cache, target.loc)
+        compiling = torch.compiler.is_compiling()
+        if m is None:
+            return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
+        positions, table = ctx  # type: ignore[misc]
+        if sizes[1] == sizes[2] and m.fits(qkv, heads, head_dim, target.cache):
+            loc = target.loc[: qkv.shape[0]]
+            if compiling:
+                qkv = m.rope_store_qkv_op(qkv, *heads, head_dim, positions, table, target.cache,
+                                          loc)  # fmt: skip
+            else:
+                m.rope_store(qkv, heads, head_dim, positions, table, target.cache, loc)
             q, k, v = qkv.split(sizes, dim=-1)
             return q, k, v
-        return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
+        # the reference, with the (cos, sin) it needs: looked up here, once per layer
+        rope = Kernels.rope_context(self, positions, table) if compiling else ctx
+        return super().rope_qkv_store(rope, qkv, sizes, head_dim, target)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

@@ -26,11 +26,15 @@ import triton.language as tl
 
 from service.model.rope_store_policy import block_tokens
 
+OP_NAME = "capture_service::rope_store_qkv"
+
 
 @triton.jit
 def _rope_store_kernel(
     qkv_ptr,  # (T, >= (HQ + 2 HKV) D), row stride qkv_stride
     qkv_stride,
+    out_ptr,  # where rotated q, k (and v, with COPY_V) go: qkv itself, or (T, (HQ + 2 HKV) D)
+    out_stride,
     pos_ptr,  # (T,) positions
     cs_ptr,  # (P, D) float32: cos in [0, D/2), sin in [D/2, D); row stride cs_stride
     cs_stride,
@@ -42,6 +46,7 @@ def _rope_store_kernel(
     HKV: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
+    COPY_V: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     head = tl.program_id(1)
@@ -50,6 +55,7 @@ def _rope_store_kernel(
     mask = live[:, None]
     cols = tl.arange(0, HALF)[None, :]
     src = qkv_ptr + rows[:, None].to(tl.int64) * qkv_stride + head * D + cols
+    dst_row = out_ptr + rows[:, None].to(tl.int64) * out_stride + head * D + cols
     lo = tl.load(src, mask=mask)
     hi = tl.load(src + HALF, mask=mask)
     slot = tl.load(loc_ptr + rows, mask=live, other=0).to(tl.int64)[:, None]
@@ -62,8 +68,8 @@ def _rope_store_kernel(
         b = hi.to(tl.float32)
         lo = (a * cos - b * sin).to(qkv_ptr.dtype.element_ty)
         hi = (b * cos + a * sin).to(qkv_ptr.dtype.element_ty)
-        tl.store(src, lo, mask=mask)
-        tl.store(src + HALF, hi, mask=mask)
+        tl.store(dst_row, lo, mask=mask)
+        tl.store(dst_row + HALF, hi, mask=mask)
         if head >= HQ:  # k: and into the cache
             dst = kv_ptr + slot * slot_stride + (head - HQ) * D + cols
             tl.store(dst, lo, mask=mask)
@@ -72,6 +78,9 @@ def _rope_store_kernel(
         dst = kv_ptr + slot * slot_stride + (HKV * D) + (head - HQ - HKV) * D + cols
         tl.store(dst, lo, mask=mask)
         tl.store(dst + HALF, hi, mask=mask)
+        if COPY_V:
+            tl.store(dst_row, lo, mask=mask)
+            tl.store(dst_row + HALF, hi, mask=mask)
 
 
 def fits(qkv: torch.Tensor, heads: tuple[int, int], head_dim: int, kv: torch.Tensor) -> bool:
@@ -100,16 +109,48 @@ def rope_store(
     cos_sin_cache: torch.Tensor,
     kv: torch.Tensor,
     loc: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> None:
-    """Rotate qkv's q and k heads in place and store K and V at ``loc`` (T,) in ``kv``;
-    ``heads``: (Hq, Hkv). The caller checked :func:`fits`."""
+    """Rotate qkv's q and k heads and store K and V at ``loc`` (T,) in ``kv``; ``heads``:
+    (Hq, Hkv). In place, or into ``out`` (T, (Hq + 2 Hkv) D) with v copied there too, qkv left
+    as it was. The caller checked :func:`fits`."""
     t = qkv.shape[0]
     if t == 0:
         return
     hq, hkv = heads
     bt = block_tokens(t)
     grid = (triton.cdiv(t, bt), hq + 2 * hkv)
+    dst = qkv if out is None else out
     _rope_store_kernel[grid](
-        qkv, qkv.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0),
-        kv, kv.stride(0), loc, t, HQ=hq, HKV=hkv, D=head_dim, BT=bt, num_warps=4,
+        qkv, qkv.stride(0), dst, dst.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0),
+        kv, kv.stride(0), loc, t, HQ=hq, HKV=hkv, D=head_dim, BT=bt, COPY_V=out is not None,
+        num_warps=4,
     )  # fmt: skip
+
+
+# Under torch.compile (tc_piecewise's pieces) the kernel is one opaque op that returns the
+# rotated q, K and V as a new tensor (a custom op may not return an alias of an input, nor
+# rotate a traced tensor in place without the compiler copying it first), and writes the cache.
+# Declared without mutated arguments, as the store op is (service.ranks.attention.custom_op):
+# the cache is read by attention outside the compiled piece, and a declared mutation would have
+# the compiler copy a whole layer's cache. Its output feeds the attention op, which orders the
+# two and keeps it alive.
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def rope_store_qkv_op(
+    qkv: torch.Tensor,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
+    out = qkv.new_empty(qkv.shape[0], (heads_q + 2 * heads_kv) * head_dim)
+    rope_store(qkv, (heads_q, heads_kv), head_dim, positions, cos_sin_cache, kv, loc, out=out)
+    return out
+
+
+@rope_store_qkv_op.register_fake
+def _(qkv, heads_q, heads_kv, head_dim, positions, cos_sin_cache, kv, loc):
+    return qkv.new_empty(qkv.shape[0], (heads_q + 2 * heads_kv) * head_dim)

@@ -196,12 +196,21 @@ class OpAttention:
     ) -> None:
         self.cache_for = cache_for
         self.loc = loc
+        # keys whose K/V the rotary kernel stored while this forward was traced (kv_target)
+        self._stored_by_kernel: set[AttentionKey] = set()
 
     def store(self, k: torch.Tensor, v: torch.Tensor, key: AttentionKey) -> None:
         return None
 
     def kv_target(self, key: AttentionKey) -> KVTarget | None:
-        return None  # the store is deferred to the attention op, next to it in the trace
+        """The cache and static slots for a kernel that rotates and stores in one op
+        (service.model.rope_store_triton): then the call emits no store op. Should the kernels
+        fall back to the plain rotary, they call ``store``, and the call stores as usual."""
+        kv = self.cache_for(key)
+        if kv is None or kv.shape[1] != 2:
+            return None
+        self._stored_by_kernel.add(key)
+        return KVTarget(kv, self.loc, lambda k, v: self._stored_by_kernel.discard(key))
 
     def __call__(
         self,
@@ -212,6 +221,10 @@ class OpAttention:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ops = torch.ops.capture_service
+        if key in self._stored_by_kernel:  # stored already, by the op that made q, K and V
+            self._stored_by_kernel.discard(key)
+            qkv = torch.cat([q, k, v], dim=-1)  # the op's output itself (see below)
+            return ops.attention_qkv(qkv, q.shape[1], key.layer_id, key.variant, qkv.new_empty(0))
         kv = self.cache_for(key)
         loc = self.loc[: k.shape[0]]
         if (
