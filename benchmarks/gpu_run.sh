@@ -10,7 +10,8 @@
 #                                                      # serve-si (SI=seconds: switch interval),
 #                                                      # gemm (linear layers alone),
 #                                                      # launch (graph launch cost),
-#                                                      # attn (FA2 against FA3 prefill)
+#                                                      # attn (FA2 against FA3 prefill),
+#                                                      # rope (rotary + K/V store kernels)
 #
 # SAVE_FICACHE=1 returns FlashInfer's JIT-built modules ($OUT/ficache.tgz.*); joined into
 # .ficache/ficache.tgz and carried (.ficache, git-ignored), later calls skip their builds.
@@ -168,6 +169,9 @@ for what in "$@"; do
         --out "$RES/attention_kernels.json" ;;
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
       TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;
+    rope)  # rotary + K/V store: FlashInfer's rotary then the store against one Triton kernel
+      TAIL=14 step rope_store 180 python3 benchmarks/rope_store.py --m "${ROPE_M:-16,64,256,1024,2048,4096,8192}" \
+        --host --out "$RES/rope_store.json" ;;
     swiglu)  # gate_up GEMM + SiLU-and-mul: cuBLAS + FlashInfer against a fused Triton kernel
       TAIL=14 step swiglu 360 python3 benchmarks/swiglu_gemm.py --m "${SWIGLU_M:-16,32,64,128,256,512,1024,2048,4096,8192}" \
         --variants "${SWIGLU_VARIANTS:-tma,tmap,tmaws}" ${SWIGLU_ARGS:-} --out "$RES/swiglu.json" ;;

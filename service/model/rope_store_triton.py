@@ -110,15 +110,17 @@ def rope_store(
     kv: torch.Tensor,
     loc: torch.Tensor,
     out: torch.Tensor | None = None,
+    block: int | None = None,
 ) -> None:
     """Rotate qkv's q and k heads and store K and V at ``loc`` (T,) in ``kv``; ``heads``:
     (Hq, Hkv). In place, or into ``out`` (T, (Hq + 2 Hkv) D) with v copied there too, qkv left
-    as it was. The caller checked :func:`fits`."""
+    as it was. ``block``: tokens per program (default: the policy's; a benchmark's sweep). The
+    caller checked :func:`fits`."""
     t = qkv.shape[0]
     if t == 0:
         return
     hq, hkv = heads
-    bt = block_tokens(t)
+    bt = block or block_tokens(t)
     grid = (triton.cdiv(t, bt), hq + 2 * hkv)
     dst = qkv if out is None else out
     _rope_store_kernel[grid](
