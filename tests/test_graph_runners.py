@@ -306,7 +306,7 @@ def test_full_captures_each_attention_variant_and_replays_the_one_a_layout_selec
     with torch.inference_mode():
         runner.capture_bucket(64)
         assert ga.prepared == ["fresh", "on_prefix"]
-        spans = len(launch_spans(len(w.model.layers)))
+        spans = len(launch_spans(len(w.model.layers))) + 1  # the head, then the spans
         calls = runner.captured_calls(64)
         assert len(calls) == 2 * spans  # a chain per variant, a graph per span
         fresh, on_prefix = calls[:spans], calls[spans:]
@@ -339,6 +339,32 @@ def test_full_captures_each_attention_variant_and_replays_the_one_a_layout_selec
         want = w.eager_runner.run(chunk, decision)
         assert (replays(fresh), replays(on_prefix)) == (1, 1)
         assert (got - want).abs().max().item() < 1e-5
+
+
+def test_full_launches_its_head_before_it_plans_attention(monkeypatch):
+    """The chain's head (the embedding and layer 0 up to its attention) reads no attention plan:
+    a replay launches it first and plans while the device runs it, then launches the spans. A
+    runner that planned first, or skipped the head, fails."""
+    e = engine("full", buckets=(64,), full_request_slots=4)
+    w = e.executor.worker
+    runner = w.runner
+    batch = live_batch(w, (20, 17), seed=5)
+    decision = decide_replay(e.resolved.plan, 37, 2)
+    chain = runner.replayed_calls(64, batch.layout)
+    seen: list[list[int]] = []
+    real = runner.graph_attention.prepare
+
+    def prepare(*args, **kwargs):
+        seen.append([c.replays for c in chain])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner.graph_attention, "prepare", prepare)
+    with torch.inference_mode():
+        got = runner.run(batch, decision).clone()
+        want = w.eager_runner.run(batch, decision)
+    assert seen == [[1] + [0] * (len(chain) - 1)]  # the head ran, the spans had not
+    assert [c.replays for c in chain] == [1] * len(chain)
+    assert (got - want).abs().max().item() < 1e-5
 
 
 def test_full_launches_a_forward_as_a_chain_that_starts_with_one_layer():

@@ -18,6 +18,11 @@ which take several times longer per layer than their launch. The kernels are tho
 graph, in the same order, from one memory pool; each graph leaves the residual and the next
 layer's attention inputs in the runner's state buffers (the residual is copied there once, after
 the embedding; the next q, k, v are projected there), where the next graph reads them.
+
+Before those spans the chain has a *head*: the embedding and layer 0 up to its attention (K/V
+stored). It reads no attention plan, so a replay launches it right after the token copy and
+plans attention on the host while the device runs it (as ``breakable`` does with its first
+segment); before, the device waited for the whole plan with nothing to do.
 """
 
 from __future__ import annotations
@@ -71,18 +76,21 @@ class FullGraphRunner(GraphRunner):
         captured: dict[str, list[CapturedCall]] = {}
         for variant in attention.graph_variants:  # one chain each, from the one pool
             attention.prepare(batch, bucket, variant)
-            chain: list[CapturedCall] = []
+
+            def head(variant: str = variant) -> None:
+                # the embedding and layer 0 up to its attention (K/V stored): no attention
+                # plan read, so a replay launches it before planning
+                bound = attention.bind_variant(batch, variant)
+                state.keep(bucket, model.first_segment(ids, positions, bound, qkv_out=qkv))
+
+            chain = [CapturedCall(head, self.device, self.pool, self.stream)]
             for start, stop in launch_spans(len(model.layers)):
 
                 def span(start: int = start, stop: int = stop, variant: str = variant) -> Any:
                     # bind inside the captured function: the per-forward attention layout is
                     # part of the graph, recomputed from the static buffers at every replay
                     bound = attention.bind_variant(batch, variant)
-                    first = (
-                        model.first_segment(ids, positions, bound)
-                        if start == 0
-                        else state.state(bucket)  # where the previous graph left it
-                    )
+                    first = state.state(bucket)  # where the previous graph left it
                     got = model.forward_span(start, stop, first, positions, bound, qkv_out=qkv)
                     if isinstance(got, torch.Tensor):  # the last span: final hidden states
                         return got
@@ -99,11 +107,12 @@ class FullGraphRunner(GraphRunner):
             view = self.buffers.copy_from(batch, bucket, self.num_slots)
         else:  # attention plans from the host layout: the graphs read token rows only
             view = self.buffers.copy_tokens(batch, bucket)
+        head, *spans = captured[variant]
+        head.replay()  # the device runs it while the host plans attention
         self.graph_attention.prepare(view, bucket, variant, self.num_slots)
-        chain = captured[variant]
-        for call in chain:
+        for call in spans:
             call.replay()
-        return chain[-1].out
+        return spans[-1].out
 
     def captured_calls(self, bucket: int) -> list[CapturedCall]:
         return [call for chain in self._captured[bucket].values() for call in chain]
