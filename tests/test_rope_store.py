@@ -124,6 +124,120 @@ def test_the_model_stores_through_the_kv_target_where_the_kernels_say_so(backend
         assert calls and set(calls) <= {48, 64, 256}  # eager rows, or a bucket's padded rows
 
 
+# A stand-in for service.model.rope_store_triton on CPU (triton is CUDA-only): the same contract
+# computed by the torch reference, so the routes around the kernel (the eager call, and the op in
+# tc_piecewise's compiled pieces) run here under the real torch.compile.
+_op_calls: list[int] = []
+
+
+def _cpu_rope_store(qkv, heads, head_dim, positions, table, kv, loc, out=None, block=None):
+    from service.model.kernels import Kernels
+    from service.ranks.kv_pool import store_entries
+
+    hq, hkv = heads
+    t, d = qkv.shape[0], head_dim
+    dst = qkv if out is None else out
+    if out is not None:
+        out.copy_(qkv[:, : (hq + 2 * hkv) * d])
+    q, k = Kernels().rope(Kernels().rope_context(positions, table),
+                          qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], d)  # fmt: skip
+    dst[:, : hq * d], dst[:, hq * d : (hq + hkv) * d] = q, k
+    k3 = dst[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d)
+    v3 = dst[:, (hq + hkv) * d : (hq + 2 * hkv) * d].reshape(t, hkv, d)
+    store_entries(kv, loc, k3, v3)
+
+
+@torch.library.custom_op("capture_service_test::rope_store_qkv", mutates_args=())
+def _cpu_rope_store_op(
+    qkv: torch.Tensor, heads_q: int, heads_kv: int, head_dim: int, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    _op_calls.append(qkv.shape[0])
+    out = qkv.new_empty(qkv.shape[0], (heads_q + 2 * heads_kv) * head_dim)
+    _cpu_rope_store(qkv, (heads_q, heads_kv), head_dim, positions, cos_sin_cache, kv, loc, out)
+    return out
+
+
+@_cpu_rope_store_op.register_fake
+def _(qkv, heads_q, heads_kv, head_dim, positions, cos_sin_cache, kv, loc):
+    return qkv.new_empty(qkv.shape[0], (heads_q + 2 * heads_kv) * head_dim)
+
+
+def _cpu_kernel_module():
+    import types
+
+    return types.SimpleNamespace(
+        fits=lambda qkv, heads, d, kv: tuple(kv.shape[1:]) == (2, heads[1], d),
+        rope_store=_cpu_rope_store,
+        rope_store_qkv_op=_cpu_rope_store_op,
+    )
+
+
+def _cpu_flashinfer_kernels():
+    """FlashInferKernels' routing (the kernel eagerly, the op when compiled, the contexts) with
+    the torch reference where FlashInfer's own kernels would run."""
+    from service.model.kernels import FlashInferKernels
+
+    class CpuFlashInfer(FlashInferKernels):
+        def __init__(self) -> None:
+            self.fi = None
+            self._rope_store = _cpu_kernel_module()
+
+        rms_norm = Kernels.rms_norm
+        add_rms_norm = Kernels.add_rms_norm
+        silu_and_mul = Kernels.silu_and_mul
+
+        def rope(self, ctx, q, k, head_dim):
+            if not torch.compiler.is_compiling():  # FlashInfer's context: positions, table
+                ctx = Kernels.rope_context(self, *ctx)
+            return super().rope(ctx, q, k, head_dim)
+
+    return CpuFlashInfer()
+
+
+@pytest.mark.parametrize("backend", ["tc_piecewise", "full"])
+def test_the_kernel_routes_keep_the_results_and_store_once(backend, monkeypatch):
+    """On CPU, the kernel's stand-in (the torch reference behind the kernel's contract) under
+    FlashInferKernels' routing: eager calls make the kernel call, tc_piecewise's compiled pieces
+    make the op and then no store op of their own (a piece that stored twice or not at all, or
+    whose attention read an unrotated K, fails), and the logits and the cache match the plain
+    route's (float32: the same arithmetic, in another order)."""
+    import service.ranks.attention.custom_op as custom_op
+    import service.ranks.startup as startup
+
+    stores: list[int] = []
+    real_store = custom_op._store
+    monkeypatch.setattr(custom_op, "_store", lambda k, v, kv, loc: stores.append(k.shape[0])
+                        or real_store(k, v, kv, loc))  # fmt: skip
+    plain = _engine(backend, "cpu")
+    monkeypatch.setattr(startup, "make_kernels", lambda *a, **k: _cpu_flashinfer_kernels())
+    routed = _engine(backend, "cpu")
+    assert routed.executor.worker.model.kernels.stores_kv()
+    outs = []
+    for e in (plain, routed):
+        w = e.executor.worker
+        batch = live_batch(w, (20, 17, 11), seed=3)
+        hit = decide_replay(e.resolved.plan, 48, 3)
+        _op_calls.clear()
+        stores.clear()
+        with torch.inference_mode():
+            for t in w.kv.kv:
+                t.zero_()
+            got = w.runner.run(batch, hit).clone()
+            outs.append((got, torch.stack([t.clone() for t in w.kv.kv])))
+        counts = (len(_op_calls), len(stores))
+    (p_out, p_cache), (r_out, r_cache) = outs
+    op_calls, routed_stores = counts  # the routed run's
+    assert (p_out - r_out).abs().max().item() < 1e-4 * p_out.abs().max().item()
+    assert (p_cache - r_cache).abs().max().item() < 1e-4 * p_cache.abs().max().item()
+    assert (r_cache[:, 1:].abs().amax(dim=(1, 2, 3, 4)) > 0).all()  # every layer stored
+    layers = len(routed.executor.worker.model.layers)
+    if backend == "tc_piecewise":  # every layer through the op, and no store op at all
+        assert (op_calls, routed_stores) == (layers, 0)
+    else:  # full's graphs are not compiled: the kernel's eager call, never the op
+        assert op_calls == 0
+
+
 # ---- CUDA ---------------------------------------------------------------------------------------
 def _needs_triton() -> None:
     pytest.importorskip("triton", reason="needs triton")

@@ -188,11 +188,26 @@ class FlashInferKernels(Kernels):
             return super().rope_context(positions, cos_sin_cache)
         return positions, cos_sin_cache  # the kernel reads the table at each position itself
 
+    def _traced_ctx(self, ctx: object) -> object:
+        """The (cos, sin) the traced reference needs: with the rotary + store kernel chosen, a
+        compiled forward's context is (positions, table), as the kernel's op reads it."""
+        if self._rope_store is None:
+            return ctx
+        positions, table = ctx  # type: ignore[misc]
+        return Kernels.rope_context(self, positions, table)
+
+    def rope_qkv(
+        self, ctx: object, qkv: torch.Tensor, sizes: tuple[int, int, int], head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            return super().rope_qkv(self._traced_ctx(ctx), qkv, sizes, head_dim)
+        return super().rope_qkv(ctx, qkv, sizes, head_dim)
+
     def rope(
         self, ctx: object, q: torch.Tensor, k: torch.Tensor, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():
-            return super().rope(ctx, q, k, head_dim)
+            return super().rope(self._traced_ctx(ctx), q, k, head_dim)
         positions, cache = ctx  # type: ignore[misc]
         self.fi.rope.apply_rope_with_cos_sin_cache_inplace(
             positions, q, k, head_dim, cache, is_neox=True
@@ -224,9 +239,8 @@ class FlashInferKernels(Kernels):
                 m.rope_store(qkv, heads, head_dim, positions, table, target.cache, loc)
             q, k, v = qkv.split(sizes, dim=-1)
             return q, k, v
-        # the reference, with the (cos, sin) it needs: looked up here, once per layer
-        rope = Kernels.rope_context(self, positions, table) if compiling else ctx
-        return super().rope_qkv_store(rope, qkv, sizes, head_dim, target)
+        # the reference (under compile, rope_qkv looks the (cos, sin) up from the context)
+        return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
