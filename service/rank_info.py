@@ -49,39 +49,32 @@ class RankInfo:
         return out
 
 
+# the start-up choices every rank must share: (RankInfo field, what it is, the flag that fixes it)
+_SHARED_CHOICES = (
+    ("attention", "attention backends", "--attention-backend"),
+    ("kernels", "fused kernels", "--fused-kernels"),
+    ("gate_up", "gate_up kernels", "--gate-up-kernel"),
+    ("rope_store", "rope_store kernels", "--rope-store-kernel"),
+)
+
+
 def agree_rank_infos(infos: list[RankInfo]) -> RankInfo:
     """The values every rank can honour: the smallest pool, KV and chunk sizes, and rank 0's
     model and kernels (which every rank must share)."""
     if not infos:
         raise ConfigError("no rank reported its start-up values")
     first = infos[0]
-    kernels = {i.attention.name for i in infos}
-    if len(kernels) > 1:  # ranks of one model must run the same attention kernels
-        raise ConfigError(
-            "ranks chose different attention backends: "
-            + ", ".join(f"rank {i.rank}: {i.attention.name} ({i.attention.reason})" for i in infos)
-            + "; pass --attention-backend explicitly"
-        )
-    if len({i.kernels.name for i in infos}) > 1:  # and the same fused kernels (same numerics)
-        raise ConfigError(
-            "ranks chose different fused kernels: "
-            + ", ".join(f"rank {i.rank}: {i.kernels.name} ({i.kernels.reason})" for i in infos)
-            + "; pass --fused-kernels explicitly"
-        )
-    if len({i.gate_up.name for i in infos}) > 1:
-        raise ConfigError(
-            "ranks chose different gate_up kernels: "
-            + ", ".join(f"rank {i.rank}: {i.gate_up.name} ({i.gate_up.reason})" for i in infos)
-            + "; pass --gate-up-kernel explicitly"
-        )
-    if len({i.rope_store.name for i in infos}) > 1:
-        raise ConfigError(
-            "ranks chose different rope_store kernels: "
-            + ", ".join(
-                f"rank {i.rank}: {i.rope_store.name} ({i.rope_store.reason})" for i in infos
+    # ranks of one model must run the same kernels (the same numerics on every shard)
+    for attr, what, flag in _SHARED_CHOICES:
+        if len({getattr(i, attr).name for i in infos}) > 1:
+            raise ConfigError(
+                f"ranks chose different {what}: "
+                + ", ".join(
+                    f"rank {i.rank}: {getattr(i, attr).name} ({getattr(i, attr).reason})"
+                    for i in infos
+                )
+                + f"; pass {flag} explicitly"
             )
-            + "; pass --rope-store-kernel explicitly"
-        )
     return replace(
         first,
         max_running_requests=min(i.max_running_requests for i in infos),

@@ -69,6 +69,34 @@ def test_the_flag_reaches_the_config_and_server_info_reports_the_choice():
     assert "CUDA device" in info["rope_store_kernel"]["reason"]
 
 
+def test_ranks_that_chose_different_kernels_are_refused_with_the_flag_to_pass():
+    """Every shared start-up choice, the rotary + store kernel among them: ranks that differ
+    are named with their reasons and the flag that fixes it; ranks that agree take the smallest
+    pool and rank 0's choices."""
+    from dataclasses import replace
+
+    from service.rank_info import BackendChoice, RankInfo, agree_rank_infos
+
+    same = BackendChoice("torch", "asked for")
+    base = RankInfo(rank=0, device="cuda:0", dtype="bfloat16", context_length=2048,
+                    max_running_requests=8, num_kv_slots=1000, chunked_prefill_size=2048,
+                    vocab_size=100, eos_token_ids=(1,), model_dir="m", architecture="a",
+                    attention=same, kernels=same, gate_up=same, rope_store=same)  # fmt: skip
+    other = replace(base, rank=1, num_kv_slots=900)
+    assert agree_rank_infos([base, other]) == replace(base, num_kv_slots=900)
+    for field, what, flag in [
+        ("attention", "attention backends", "--attention-backend"),
+        ("kernels", "fused kernels", "--fused-kernels"),
+        ("gate_up", "gate_up kernels", "--gate-up-kernel"),
+        ("rope_store", "rope_store kernels", "--rope-store-kernel"),
+    ]:
+        odd = replace(other, **{field: BackendChoice("triton", "auto: x")})
+        with pytest.raises(ConfigError) as err:
+            agree_rank_infos([base, odd])
+        assert str(err.value) == (f"ranks chose different {what}: rank 0: torch (asked for), "
+                                  f"rank 1: triton (auto: x); pass {flag} explicitly")  # fmt: skip
+
+
 def _engine(backend: str, device: str, **kw) -> Engine:
     return Engine(
         EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32",

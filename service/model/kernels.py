@@ -225,14 +225,13 @@ class FlashInferKernels(Kernels):
         # one kernel: q and k rotated (in place in qkv, or into the op's new tensor when
         # compiled), K and V written to their slots
         m = self._rope_store
-        heads = (sizes[0] // head_dim, sizes[1] // head_dim)
-        compiling = torch.compiler.is_compiling()
         if m is None:
             return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
         positions, table = ctx  # type: ignore[misc]
+        heads = (sizes[0] // head_dim, sizes[1] // head_dim)
         if sizes[1] == sizes[2] and m.fits(qkv, heads, head_dim, target.cache):
             loc = target.loc[: qkv.shape[0]]
-            if compiling:
+            if torch.compiler.is_compiling():
                 qkv = m.rope_store_qkv_op(qkv, *heads, head_dim, positions, table, target.cache,
                                           loc)  # fmt: skip
             else:
