@@ -26,7 +26,7 @@ from benchmarks.gemm_shapes import graph_us
 from service.model.rope_store_policy import block_tokens
 from service.ranks.kv_pool import store_entries
 
-BLOCKS = (16, 32, 64, 128)
+BLOCKS = (8, 16, 32, 64)
 
 
 def copy_rate() -> float:
