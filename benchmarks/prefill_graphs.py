@@ -34,6 +34,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_clocks import ClockSampler
+from benchmarks.targets import report, verdicts
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
 from benchmarks.timeline import Timeline, host_ms, one_call_ms, timed, timeline
 from benchmarks.timeline import row as timeline_row
@@ -616,6 +617,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         print(f"hf compiled + cuda graph, {tokens} tokens: {hf[tokens]:.2f} ms", flush=True)
         save()
+    print("the prefill-floor issue's targets, this process's figures (benchmarks/targets.py)")
+    print(report(verdicts([rows[b] for b in sorted(rows)], backends, hf)))
     return 0
 
 

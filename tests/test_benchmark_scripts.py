@@ -79,3 +79,34 @@ def test_idle_report_says_what_to_change_for_a_wrong_argument(tmp_path):
     saved = ROOT / "docs/results/prefill-2026-12-04-s29-d-34c47a6.json"
     proc = run_script("benchmarks/idle_report.py", str(saved), "--runners", "full,ful")
     assert proc.returncode == 2 and "unknown runners ['ful']" in proc.stderr
+
+
+def test_the_targets_check_holds_each_backend_to_the_issue_s_lines():
+    """`benchmarks/targets.py` decides met or missed for every run from now on. A check that
+    compared with the wrong floor, let a tie with HF pass, or dropped the eager comparison would
+    misreport; so would one that read the wrong bucket's target (3x applies up to 256 tokens,
+    1.4x from 2,048, neither between)."""
+    from benchmarks.targets import from_result, verdicts
+
+    rows = [
+        {"bucket": 256, "floor_ms": 2.0, "floor_burst_ms": 1.0,  # the burst floor is the one
+         "full_ms": 3.0, "full_eager_ms": 9.0, "breakable_ms": 3.01, "breakable_eager_ms": 3.0},
+        {"bucket": 1024, "floor_burst_ms": 1.0, "full_ms": 5.0, "full_eager_ms": 6.0},
+        {"bucket": 2048, "floor_burst_ms": 10.0, "full_ms": 14.0, "full_eager_ms": 20.0},
+    ]  # fmt: skip
+    got = {(v.backend, v.bucket, v.target): (round(v.measured, 3), v.met)
+           for v in verdicts(rows, ["full", "breakable"], {1024: 5.0})}  # fmt: skip
+    assert got == {
+        ("full", 256, "<= 3x floor"): (3.0, True),
+        ("full", 256, "<= 1x eager"): (0.333, True),
+        ("breakable", 256, "<= 3x floor"): (3.01, False),
+        ("breakable", 256, "<= 1x eager"): (1.003, False),
+        ("full", 1024, "< 1x HF compiled"): (1.0, False),  # a tie is not faster
+        ("full", 1024, "<= 1x eager"): (0.833, True),
+        ("full", 2048, "<= 1.4x floor"): (1.4, True),
+        ("full", 2048, "<= 1x eager"): (0.7, True),
+    }
+    # a GPU call's saved result: session 31's call B, where breakable missed 3x at 256 tokens
+    saved = json.loads((ROOT / "docs/results/prefill-ab-2026-12-05-s31-b-triton.json").read_text())
+    missed = [(v.backend, v.bucket, round(v.measured, 2)) for v in from_result(saved) if not v.met]
+    assert missed == [("breakable", 256, 3.06)]
