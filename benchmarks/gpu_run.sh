@@ -136,13 +136,15 @@ for what in "$@"; do
       # functions are printed; HF: token counts for HF transformers compiled; KDIFF: the bucket
       # whose kernels are compared eager against graph, one by one; TIMELINE: buckets whose
       # calls are placed on the profiler's clock (host work before the device starts, launch);
-      # PROFILE_ROWS: kernels listed per profile; PREFILL_ARGS: more arguments, as they are
+      # PROFILE_ROWS: kernels listed per profile; HOST_STEPS: buckets whose segment-runner
+      # replays are timed step by step on the host, unprofiled (benchmarks/host_steps.py);
+      # PREFILL_ARGS: more arguments, as they are
       TAIL=40 step prefill ${PREFILL_LIMIT:-560} python3 benchmarks/prefill_graphs.py --iters 20 \
         ${BUCKETS:+--buckets $BUCKETS} --kernel-count-buckets "${COUNT:-16,256,2048,8192}" \
         --profile "${PROFILE:-256}" --profile-rows "${PROFILE_ROWS:-12}" ${PREFILL_ARGS:-} \
         ${HOSTPROF:+--host-profile $HOSTPROF} --hf-compiled "${HF:-}" \
         ${KDIFF:+--kernel-diff $KDIFF} ${TIMELINE:+--timeline $TIMELINE} \
-        --out "$RES/prefill.json" ;;
+        ${HOST_STEPS:+--host-steps $HOST_STEPS} --out "$RES/prefill.json" ;;
     ab)
       # the segment backends before and after a change, in one call: abtest/old holds the
       # older tree's service/ (git archive <commit> service | tar x -C abtest/old; carry it);

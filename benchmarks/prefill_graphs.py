@@ -34,6 +34,9 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_clocks import ClockSampler
+from benchmarks.host_steps import HEADER as STEPS_HEADER
+from benchmarks.host_steps import host_steps
+from benchmarks.host_steps import row as steps_row
 from benchmarks.targets import report, verdicts
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
 from benchmarks.timeline import Timeline, host_ms, one_call_ms, timed, timeline
@@ -364,6 +367,12 @@ def main() -> int:
         help="buckets whose calls are placed on the profiler's clock (host work before the "
         "first device op, graph launch, device idle)",
     )
+    ap.add_argument(
+        "--host-steps",
+        default="",
+        help="buckets whose segment-runner replays are timed step by step on the host "
+        "(unprofiled: the token copy, first launch, plan, each launch)",
+    )
     ap.add_argument("--attention", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--flashinfer-kernel", choices=("auto", "fa2", "fa3"), default="auto")
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
@@ -404,6 +413,7 @@ def main() -> int:
         print(f"--profile {args.profile}: no CUDA device, no kernels to list; not profiled")
     count_buckets = {int(b) for b in args.kernel_count_buckets.split(",") if b.strip()}
     timeline_buckets = {int(b) for b in args.timeline.split(",") if b.strip()}
+    steps_buckets = {int(b) for b in args.host_steps.split(",") if b.strip()}
     clocks = ClockSampler().start() if cuda else ClockSampler()
     with torch.inference_mode():
         for backend in args.backends.split(","):
@@ -490,6 +500,10 @@ def main() -> int:
                     row[f"{backend}_host_ms"] = host_ms(graph_step, args.iters)
                 if cuda and b in timeline_buckets:
                     row[f"{backend}_timeline"] = timeline(graph_step).to_json()
+                if b in steps_buckets:
+                    steps = host_steps(worker.runner, batch, b, args.iters)
+                    if steps is not None:
+                        row[f"{backend}_host_steps"] = steps
                 if b == args.profile and cuda:  # the CUDA profiler's kernels
                     profile(f"{backend} bucket {b}", graph_step, args.profile_rows)
                     if f"eager_profiled_{b}" not in row:
@@ -577,6 +591,13 @@ def main() -> int:
                     print(f"{b:>6} {be[:12]:>12} {timeline_row(t)}")
                     if be != "eager" and t.where:
                         print(f"{'':>6} {'':>12} longest gaps: {t.where}")
+    if steps_buckets:
+        print("a segment runner's replay step by step on the host, unprofiled (median us)")
+        print(STEPS_HEADER)
+        for b in sorted(rows):
+            for be in backends:
+                if f"{be}_host_steps" in rows[b]:
+                    print(steps_row(be, b, rows[b][f"{be}_host_steps"]))
     for be, c in captures.items():
         print(
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "

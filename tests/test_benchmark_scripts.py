@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -110,3 +113,41 @@ def test_the_targets_check_holds_each_backend_to_the_issue_s_lines():
     saved = json.loads((ROOT / "docs/results/prefill-ab-2026-12-05-s31-b-triton.json").read_text())
     missed = [(v.backend, v.bucket, round(v.measured, 2)) for v in from_result(saved) if not v.met]
     assert missed == [("breakable", 256, 3.06)]
+
+
+@pytest.mark.parametrize("backend", ["breakable", "tc_piecewise"])
+def test_host_steps_times_a_real_replay_of_the_bucket(backend):
+    """``benchmarks/host_steps.py`` splits a segment runner's replay into its host steps (the
+    token copy, the first launch, the plan, each launch). Its figures mean something only if the
+    steps it times are the replay: after it, the bucket's output buffer holds this batch's
+    forward (eager's result) and every graph counted one replay per timed or warm-up call. A
+    timer that skipped the attention launches or a graph would leave other numbers there."""
+    from benchmarks.host_steps import host_steps
+    from service.buckets import decide_replay
+    from service.engine import Engine
+    from tests.batches import live_batch
+    from tests.test_honest_replay import graph_cfg
+
+    e = Engine(graph_cfg(backend))
+    w = e.executor.worker
+    lens = (37, 60, 11)
+    batch = live_batch(w, lens, seed=5)
+    decision = decide_replay(e.resolved.plan, sum(lens), len(lens))
+    bucket = decision.bucket
+    calls = w.runner.captured_calls(bucket)
+    with torch.inference_mode():
+        want = w.eager_runner.run(batch, decision).clone()
+        got = host_steps(w.runner, batch, bucket, iters=3)
+        tape = w.runner._captured[bucket]
+        tape = getattr(tape, "tape", tape)
+        out = tape.result[: batch.num_tokens]
+        assert torch.equal(out, want)
+    assert got is not None
+    assert [c.replays for c in calls] == [5] * len(calls)  # 3 timed, 2 warm-up
+    layers = w.model.cfg.num_hidden_layers
+    assert got["steps"] == 2 * layers  # after the first graph: an attention and a graph a layer
+    for key in ("load_us", "head_us", "plan_us", "attention_launch_us", "graph_launch_us"):
+        assert got[key] > 0, key
+    assert got["first_attention_us"] >= got["load_us"] + got["head_us"] + got["plan_us"]
+    assert got["total_us"] >= got["first_attention_us"]
+    assert host_steps(w.eager_runner, batch, bucket) is None  # no tape: nothing to split

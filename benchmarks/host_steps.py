@@ -1,0 +1,143 @@
+"""Where a segment runner's host time goes in one replay, without the profiler.
+
+Why: the profiler's timelines (``timeline.py``) add a few microseconds to every recorded op, so
+their host figures for the front of a replay (the token copy, the first segment's launch, the
+attention plan, the first attention launch) overstate it, and the unprofiled host issue time
+(``host_ms``) is one number. This replays a ``breakable`` or ``tc_piecewise`` bucket step by step
+as the runner does (``Tape.run``: the token rows in, the steps before the first attention call,
+this forward's attention launches, then the rest in order) with a wall-clock stamp around each
+step, from an idle device, and reports medians:
+
+- ``load_us``: the live batch into the static buffers (the token copy);
+- ``head_us``: the steps before the first attention call (the first segment's graph launch);
+- ``plan_us``: this forward's attention launches resolved (the plan of the planned path, or the
+  eager backend's bind), of which ``plan_module_us`` is FlashInfer's compiled plan call, when the
+  planned path records one;
+- ``attention_launch_us`` / ``graph_launch_us``: one attention launch / one graph launch, the
+  median over the layers, and ``copy_us`` for any other step;
+- ``total_us``: the replay's host time, start to return (the steps and the stamps).
+
+The device runs while this is measured (each step is a real launch), so a launch that waits on
+a full launch queue shows here; the stamps themselves cost well under a microsecond each.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ns = time.perf_counter_ns
+
+
+def _module_timer(runner: Any, bucket: int) -> tuple[list[int], Callable[[], None]]:
+    """Wrap the planned path's recorded FlashInfer plan calls of ``bucket`` to time them; the
+    samples (ns) and the undo."""
+    samples: list[int] = []
+    planned = getattr(getattr(runner, "attention", None), "planned", None)
+    replans = getattr(planned, "_replans", {}) if planned is not None else {}
+    undo: list[tuple[Any, Any]] = []
+    for key, replan in replans.items():
+        if key[0] != bucket or getattr(replan, "_call", None) is None:
+            continue
+        inner = replan._call
+
+        def timed(inner: Any = inner) -> Any:
+            t = ns()
+            try:
+                return inner()
+            finally:
+                samples.append(ns() - t)
+
+        undo.append((replan, inner))
+        replan._call = timed
+
+    def restore() -> None:
+        for replan, inner in undo:
+            replan._call = inner
+
+    return samples, restore
+
+
+def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[str, float] | None:
+    """Median host microseconds of each step of ``runner``'s replay of ``bucket`` over
+    ``batch``; ``None`` for a runner without a replay tape (``full``, eager)."""
+    captured = getattr(runner, "_captured", {}).get(bucket)
+    tape = getattr(captured, "tape", captured)
+    if tape is None or not hasattr(tape, "_tail") or not hasattr(runner, "attention"):
+        return None
+    cuda = runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    launchers = [g.launcher() for g in tape.graphs]  # bound methods: equal per graph
+    at = set(tape._tail_attend_at)
+    kinds = [  # the tail's steps, in order
+        "attention" if i in at else ("graph" if op in launchers else "copy")
+        for i, op in enumerate(tape._tail)
+    ]
+    module_ns, restore = _module_timer(runner, bucket)
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "load_us", "head_us", "plan_us", "plan_module_us", "attention_launch_us",
+        "graph_launch_us", "copy_us", "first_attention_us", "total_us")}  # fmt: skip
+    try:
+        for _ in range(iters + 2):
+            sync()
+            module_ns.clear()
+            per: dict[str, list[int]] = {"attention": [], "graph": [], "copy": []}
+            t0 = ns()
+            view = runner.attention.load(runner.buffers, batch, bucket)
+            t1 = ns()
+            for op in tape._head:
+                op()
+            t2 = ns()
+            launches = runner.attention.launches(view, bucket, tape.calls)
+            t3 = ns()
+            ops = list(tape._tail)
+            for i, launch in zip(tape._tail_attend_at, launches, strict=True):
+                ops[i] = launch
+            first = None
+            for op, kind in zip(ops, kinds, strict=True):
+                s = ns()
+                op()
+                e = ns()
+                per[kind].append(e - s)
+                if first is None and kind == "attention":
+                    first = e - t0
+            t4 = ns()
+            for g in tape.graphs:
+                g.replays += 1
+            sync()
+            if _ < 2:  # warm-up
+                continue
+            rows["load_us"].append((t1 - t0) / 1e3)
+            rows["head_us"].append((t2 - t1) / 1e3)
+            rows["plan_us"].append((t3 - t2) / 1e3)
+            rows["plan_module_us"].append(sum(module_ns) / 1e3 if module_ns else float("nan"))
+            rows["first_attention_us"].append((first or 0) / 1e3)
+            rows["total_us"].append((t4 - t0) / 1e3)
+            for kind in ("attention", "graph", "copy"):
+                if per[kind]:
+                    rows[f"{kind}_launch_us" if kind != "copy" else "copy_us"].append(
+                        statistics.median(per[kind]) / 1e3
+                    )
+    finally:
+        restore()
+    out = {k: round(statistics.median(v), 2) for k, v in rows.items() if v}
+    out["steps"] = len(ops)
+    return out
+
+
+HEADER = (f"{'backend':>13} {'bucket':>6} {'load':>6} {'head':>6} {'plan':>6} {'module':>7} "
+          f"{'1st attn':>8} {'attn':>6} {'graph':>6} {'total':>7}")  # fmt: skip
+
+
+def row(backend: str, bucket: int, s: dict[str, float]) -> str:
+    def f(k: str, w: int = 6) -> str:
+        v = s.get(k)
+        return f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
+
+    return (f"{backend:>13} {bucket:>6} {f('load_us')} {f('head_us')} {f('plan_us')} "
+            f"{f('plan_module_us', 7)} {f('first_attention_us', 8)} {f('attention_launch_us')} "
+            f"{f('graph_launch_us')} {f('total_us', 7)}")  # fmt: skip
