@@ -11,7 +11,8 @@
 #                                                      # gemm (linear layers alone),
 #                                                      # launch (graph launch cost),
 #                                                      # attn (FA2 against FA3 prefill),
-#                                                      # rope (rotary + K/V store kernels)
+#                                                      # rope (rotary + K/V store kernels),
+#                                                      # splitk (split-K GEMM + add-RMSNorm probe)
 #
 # SAVE_FICACHE=1 returns FlashInfer's JIT-built modules ($OUT/ficache.tgz.*); joined into
 # .ficache/ficache.tgz and carried (.ficache, git-ignored), later calls skip their builds.
@@ -171,6 +172,9 @@ for what in "$@"; do
         --out "$RES/attention_kernels.json" ;;
     gemm)  # the linear layers alone: cuBLAS, cuBLASLt, TunableOp, a Triton split-K prototype
       TAIL=12 step gemm 300 python3 benchmarks/gemm_shapes.py --m "${GEMM_M:-1,16,64,256,2048}" --out "$RES/gemm.json" ;;
+    splitk)  # o_proj / down split over K into fp32 partials, summed by the add-RMSNorm
+      TAIL=20 step splitk 150 python3 benchmarks/splitk_norm.py --m "${SPLITK_M:-16,64,128,256,512,1024,2048}" \
+        --out "$RES/splitk.json" ;;
     rope)  # rotary + K/V store: FlashInfer's rotary then the store against one Triton kernel
       TAIL=14 step rope_store 180 python3 benchmarks/rope_store.py --m "${ROPE_M:-16,64,256,1024,2048,4096,8192}" \
         --host --out "$RES/rope_store.json" ;;

@@ -1,0 +1,146 @@
+"""Probe: the o_proj and down GEMMs split over K into fp32 partials, summed by the add-RMSNorm that
+reads them, against cuBLAS's GEMM then FlashInfer's add-RMSNorm (GPU only).
+
+Why: at 256 tokens a layer's down GEMM (M=256, N=1536, K=8960) has 24 output tiles for 132 SMs,
+so cuBLAS splits K and runs a second kernel to reduce the splits (15 us + 3.8 us, against 9 us of
+FLOPs at the burst rate); o_proj (K=1536) runs 24 tiles without splitting (6.1 us against 1.5).
+Both outputs go straight into an add-RMSNorm. If a batched GEMM over K-slices writes the fp32
+partials and the norm kernel sums them while adding the residual, the reduce kernel goes and
+more SMs work. This measures whether that wins, per token count, before the model uses it.
+
+Variants, microseconds per call inside one CUDA graph of 20 calls (``gemm_shapes.graph_us``):
+
+- ``ref``: ``F.linear`` then FlashInfer's ``fused_add_rmsnorm`` (what the model runs);
+- ``ref_gemm``: ``F.linear`` alone;
+- ``bmm{S}``: ``torch.bmm`` over S K-slices with fp32 output, alone;
+- ``new{S}``: that, then one Triton kernel: the S partials summed (rounded to bf16, as the GEMM's
+  output was), the residual added and stored, the RMSNorm written.
+
+    python benchmarks/splitk_norm.py --m 16,64,256,1024 --out splitk.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gemm_shapes import graph_us
+
+H, I_ = 1536, 8960
+SHAPES = {"o_proj": (H, H), "down": (H, I_)}  # name: (N, K)
+
+
+def splitk_add_rmsnorm_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(p, res, w, out, T, N, eps, S: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for s in tl.static_range(S):
+            acc += tl.load(p + (s * T + t) * N + cols, mask=mask, other=0.0)
+        # the GEMM's output was bf16 before the add: round as it did
+        acc = acc.to(res.dtype.element_ty).to(tl.float32)
+        x = acc + tl.load(res + t * N + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(res + t * N + cols, x.to(res.dtype.element_ty), mask=mask)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        g = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + t * N + cols, (x * rstd * g).to(out.dtype.element_ty), mask=mask)
+
+    def run(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out, eps: float):
+        s, t, n = parts.shape
+        block = triton.next_power_of_2(n)
+        kernel[(t,)](parts, residual, weight, out, t, n, eps, S=s, BLOCK=block, num_warps=8)
+
+    return run
+
+
+def measure(name: str, n: int, k: int, m: int, splits: list[int], norm, fi) -> dict:
+    """One shape at ``m`` rows: the reference and each split's variants (us), and how far each
+    split's results are from the reference's (relative to their largest value)."""
+    dt, dev, eps = torch.bfloat16, "cuda", 1e-6
+    w = torch.randn(n, k, device=dev, dtype=dt) / k**0.5
+    g = torch.rand(n, device=dev, dtype=dt) + 0.5
+    x = torch.randn(m, k, device=dev, dtype=dt)
+    res0 = torch.randn(m, n, device=dev, dtype=dt)
+    res = res0.clone()  # the timed calls add into it: its values drift, its cost does not
+    row: dict = {"shape": name, "m": m}
+
+    def ref() -> None:
+        fi.norm.fused_add_rmsnorm(F.linear(x, w), res, g, eps)
+
+    row["ref"] = graph_us(ref)
+    row["ref_gemm"] = graph_us(lambda: F.linear(x, w))
+    want_res, want = res0.clone(), F.linear(x, w)
+    fi.norm.fused_add_rmsnorm(want, want_res, g, eps)
+    out = torch.empty(m, n, device=dev, dtype=dt)
+    for s in splits:
+        if k % s:
+            continue
+        kc = k // s
+        xs = x.view(m, s, kc).transpose(0, 1)  # (S, M, Kc), no copy
+        ws = w.view(n, s, kc).permute(1, 2, 0)  # (S, Kc, N), no copy
+
+        def bmm(xs: torch.Tensor = xs, ws: torch.Tensor = ws) -> torch.Tensor:  # (S, M, N) fp32
+            return torch.bmm(xs, ws, out_dtype=torch.float32)
+
+        def new(bmm=bmm) -> None:
+            norm(bmm(), res, g, out, eps)
+
+        row[f"bmm{s}"] = graph_us(bmm)
+        row[f"new{s}"] = graph_us(new)
+        got_res = res0.clone()
+        norm(bmm(), got_res, g, out, eps)
+        torch.cuda.synchronize()
+        d_out = float((out - want).abs().max()) / float(want.abs().max())
+        d_res = float((got_res - want_res).abs().max()) / float(want_res.abs().max())
+        row[f"maxdiff{s}"] = max(d_out, d_res)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", default="16,64,128,256,512,1024,2048")
+    ap.add_argument("--splits", default="2,4,5,7")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import flashinfer
+
+    norm = splitk_add_rmsnorm_kernel()
+    torch.manual_seed(0)
+    splits = [int(v) for v in args.splits.split(",")]
+    results: list[dict] = []
+    head = "".join(f" {'bmm' + str(s):>7} {'new' + str(s):>7}" for s in splits)
+    print(f"{'shape':>7} {'M':>5} {'ref':>7} {'gemm':>7}{head}  maxdiff")
+    for name, (n, k) in SHAPES.items():
+        for m in [int(x) for x in args.m.split(",")]:
+            row = measure(name, n, k, m, splits, norm, flashinfer)
+            results.append(row)
+            nan = float("nan")
+            cells = "".join(f" {row.get(f'bmm{s}', nan):>7.2f} {row.get(f'new{s}', nan):>7.2f}"
+                            for s in splits)  # fmt: skip
+            diff = max((row[f"maxdiff{s}"] for s in splits if f"maxdiff{s}" in row), default=nan)
+            print(f"{name:>7} {m:>5} {row['ref']:>7.2f} {row['ref_gemm']:>7.2f}{cells}  {diff:.1e}",
+                  flush=True)  # fmt: skip
+    if args.out:
+        saved = {
+            "rows": results,
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+        }
+        Path(args.out).write_text(json.dumps(saved, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
