@@ -80,6 +80,7 @@ def main() -> int:
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--gate-up-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--rope-store-kernel", choices=("auto", "triton", "torch"), default="auto")
+    ap.add_argument("--splitk-norm-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this batch size")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -100,6 +101,7 @@ def main() -> int:
         fused_kernels=args.fused_kernels,
         gate_up_kernel=args.gate_up_kernel,
         rope_store_kernel=args.rope_store_kernel,
+        splitk_norm_kernel=args.splitk_norm_kernel,
     )
     worker = RankWorker(set_up_rank(cfg))
     info = worker.info
@@ -155,6 +157,7 @@ def main() -> int:
     print(f"fused kernels: {info.kernels.name} ({info.kernels.reason})")
     print(f"gate_up kernel: {info.gate_up.name} ({info.gate_up.reason})")
     print(f"rope_store kernel: {info.rope_store.name} ({info.rope_store.reason})")
+    print(f"splitk_norm kernel: {info.splitk_norm.name} ({info.splitk_norm.reason})")
     if args.out:
         Path(args.out).write_text(
             json.dumps(
@@ -169,6 +172,7 @@ def main() -> int:
                     "fused_kernels": info.kernels.to_json(),
                     "gate_up_kernel": info.gate_up.to_json(),
                     "rope_store_kernel": info.rope_store.to_json(),
+                    "splitk_norm_kernel": info.splitk_norm.to_json(),
                     "torch": torch.__version__,
                     "args": vars(args),
                 },

@@ -378,6 +378,7 @@ def main() -> int:
     ap.add_argument("--fused-kernels", choices=("auto", "flashinfer", "torch"), default="auto")
     ap.add_argument("--gate-up-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--rope-store-kernel", choices=("auto", "triton", "torch"), default="auto")
+    ap.add_argument("--splitk-norm-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--hf-compiled", default="", help="token counts to measure HF compiled at")
     ap.add_argument(
         "--kernel-count-buckets",
@@ -400,6 +401,7 @@ def main() -> int:
         fused_kernels=args.fused_kernels,
         gate_up_kernel=args.gate_up_kernel,
         rope_store_kernel=args.rope_store_kernel,
+        splitk_norm_kernel=args.splitk_norm_kernel,
         decode=DecodeGraphConfig(enabled=False),
     )
     buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
@@ -608,6 +610,7 @@ def main() -> int:
     print(f"fused kernels: {info.kernels.name} ({info.kernels.reason})")
     print(f"gate_up kernel: {info.gate_up.name} ({info.gate_up.reason})")
     print(f"rope_store kernel: {info.rope_store.name} ({info.rope_store.reason})")
+    print(f"splitk_norm kernel: {info.splitk_norm.name} ({info.splitk_norm.reason})")
     if rates and rates["copy"]:
         print(
             f"measured: copy {rates['copy'] / 1e12:.2f} TB/s, bf16 matmul sustained "
@@ -627,7 +630,8 @@ def main() -> int:
                             "attention": info.attention.to_json(),
                             "fused_kernels": info.kernels.to_json(),
                             "gate_up_kernel": info.gate_up.to_json(),
-                            "rope_store_kernel": info.rope_store.to_json(), "hf_compiled_ms": hf,
+                            "rope_store_kernel": info.rope_store.to_json(),
+                            "splitk_norm_kernel": info.splitk_norm.to_json(), "hf_compiled_ms": hf,
                             "torch": torch.__version__, "args": vars(args)}, indent=2)
             )  # fmt: skip
 

@@ -29,6 +29,7 @@ FLASHINFER_KERNELS: tuple[str, ...] = ("auto", "fa2", "fa3")
 GateUpName = Literal["auto", "triton", "torch"]
 GATE_UP_KERNELS: tuple[str, ...] = ("auto", "triton", "torch")
 ROPE_STORE_KERNELS: tuple[str, ...] = GATE_UP_KERNELS  # the same three choices
+SPLITK_NORM_KERNELS: tuple[str, ...] = GATE_UP_KERNELS
 
 DEFAULT_CONTEXT_LENGTH_CAP = 4096  # used when the model allows more and the user sets nothing
 DEFAULT_CHUNKED_PREFILL_CPU = 2048
@@ -128,6 +129,10 @@ class EngineConfig:
     # rotary on q and k and the K/V store: "auto" takes one Triton kernel on CUDA with FlashInfer's
     # fused kernels (service.model.rope_store_triton), else the rotary kernel, then the store
     rope_store_kernel: GateUpName = "auto"
+    # o_proj and down split over K, their partials summed by the add-RMSNorm that follows: "auto"
+    # takes the Triton kernel on sm90 with one rank (service.model.splitk_policy says at which
+    # token counts), else cuBLAS's projection, then the norm
+    splitk_norm_kernel: GateUpName = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -149,6 +154,11 @@ class EngineConfig:
             raise ConfigError(
                 f"unsupported rope_store kernel {self.rope_store_kernel!r}; "
                 f"supported: {list(ROPE_STORE_KERNELS)}"
+            )
+        if self.splitk_norm_kernel not in SPLITK_NORM_KERNELS:
+            raise ConfigError(
+                f"unsupported splitk_norm kernel {self.splitk_norm_kernel!r}; "
+                f"supported: {list(SPLITK_NORM_KERNELS)}"
             )
         if self.flashinfer_kernel not in FLASHINFER_KERNELS:
             raise ConfigError(

@@ -41,6 +41,8 @@ class RankInfo:
     # rotary + K/V store: "triton" (one kernel) or "torch" (FlashInfer's or torch's rotary, then
     # the store)
     rope_store: BackendChoice
+    # o_proj / down + add-RMSNorm: "triton" (split over K, summed by the norm) or "torch"
+    splitk_norm: BackendChoice
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -55,6 +57,7 @@ _SHARED_CHOICES = (
     ("kernels", "fused kernels", "--fused-kernels"),
     ("gate_up", "gate_up kernels", "--gate-up-kernel"),
     ("rope_store", "rope_store kernels", "--rope-store-kernel"),
+    ("splitk_norm", "splitk_norm kernels", "--splitk-norm-kernel"),
 )
 
 

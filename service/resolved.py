@@ -80,7 +80,7 @@ class ResolvedConfig:
         limits = self.limits.to_json()
         model, attention = limits.pop("model_dir"), limits.pop("attention")
         kernels, gate_up = limits.pop("kernels"), limits.pop("gate_up")
-        rope_store = limits.pop("rope_store")
+        rope_store, splitk_norm = limits.pop("rope_store"), limits.pop("splitk_norm")
         return {
             "model": model,
             **limits,
@@ -88,6 +88,7 @@ class ResolvedConfig:
             "fused_kernels": kernels,
             "gate_up_kernel": gate_up,
             "rope_store_kernel": rope_store,
+            "splitk_norm_kernel": splitk_norm,
             "tp": self.tp,
             "executor": self.executor,
             "prefill_backend": self.plan.backend,

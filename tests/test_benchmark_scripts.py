@@ -26,7 +26,7 @@ def test_decode_step_runs_and_reports_its_kernels(tmp_path):
     out = tmp_path / "decode.json"
     proc = run_script("benchmarks/decode_step.py", "--tiny", "--batches", "1,2", "--iters", "2",
                       "--gate-up-kernel", "torch", "--rope-store-kernel", "torch",
-                      "--out", str(out))  # fmt: skip
+                      "--splitk-norm-kernel", "torch", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())
     assert (
@@ -34,6 +34,7 @@ def test_decode_step_runs_and_reports_its_kernels(tmp_path):
     )
     assert got["fused_kernels"]["name"] == "torch"
     assert "asked for" in got["rope_store_kernel"]["reason"]
+    assert "asked for" in got["splitk_norm_kernel"]["reason"]
     assert [r["batch"] for r in got["rows"]] == [1, 2]
     assert all(r["graph_ms"] > 0 and r["eager_ms"] > 0 for r in got["rows"])
 
@@ -48,6 +49,8 @@ def test_prefill_graphs_runs_every_backend_and_reports_its_kernels(tmp_path):
     assert "CUDA device" in got["gate_up_kernel"]["reason"]
     assert got["rope_store_kernel"]["name"] == "torch"
     assert "CUDA device" in got["rope_store_kernel"]["reason"]
+    assert got["splitk_norm_kernel"]["name"] == "torch"
+    assert "CUDA device" in got["splitk_norm_kernel"]["reason"]
     assert sorted({r["bucket"] for r in got["rows"]}) == [16, 64]
     for row in got["rows"]:
         for backend in ("full", "breakable", "tc_piecewise"):

@@ -81,7 +81,8 @@ def test_ranks_that_chose_different_kernels_are_refused_with_the_flag_to_pass():
     base = RankInfo(rank=0, device="cuda:0", dtype="bfloat16", context_length=2048,
                     max_running_requests=8, num_kv_slots=1000, chunked_prefill_size=2048,
                     vocab_size=100, eos_token_ids=(1,), model_dir="m", architecture="a",
-                    attention=same, kernels=same, gate_up=same, rope_store=same)  # fmt: skip
+                    attention=same, kernels=same, gate_up=same, rope_store=same,
+                    splitk_norm=same)  # fmt: skip
     other = replace(base, rank=1, num_kv_slots=900)
     assert agree_rank_infos([base, other]) == replace(base, num_kv_slots=900)
     for field, what, flag in [
@@ -89,6 +90,7 @@ def test_ranks_that_chose_different_kernels_are_refused_with_the_flag_to_pass():
         ("kernels", "fused kernels", "--fused-kernels"),
         ("gate_up", "gate_up kernels", "--gate-up-kernel"),
         ("rope_store", "rope_store kernels", "--rope-store-kernel"),
+        ("splitk_norm", "splitk_norm kernels", "--splitk-norm-kernel"),
     ]:
         odd = replace(other, **{field: BackendChoice("triton", "auto: x")})
         with pytest.raises(ConfigError) as err:
@@ -124,7 +126,7 @@ def test_the_model_stores_through_the_kv_target_where_the_kernels_say_so(backend
             assert target.cache.shape[1:] == (2, sizes[1] // head_dim, head_dim)
             return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
 
-    def spy_kernels(name, fused_gate_up=False, rope_store=False):
+    def spy_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
         k = Spy()
         k._rope_store = "reference"  # any chosen kernel routes through the target
         return k
@@ -212,7 +214,7 @@ def _cpu_flashinfer_kernels():
             self._rope_store = _cpu_kernel_module()
 
         rms_norm = Kernels.rms_norm
-        add_rms_norm = Kernels.add_rms_norm
+        _add_rms_norm = Kernels._add_rms_norm
         silu_and_mul = Kernels.silu_and_mul
 
         def rope(self, ctx, q, k, head_dim):

@@ -14,6 +14,7 @@ from service.config import (
     FLASHINFER_KERNELS,
     GATE_UP_KERNELS,
     ROPE_STORE_KERNELS,
+    SPLITK_NORM_KERNELS,
     DecodeGraphConfig,
     EngineConfig,
     GraphConfig,
@@ -186,6 +187,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         help="rotary on q and k and the K/V store: auto (one Triton kernel on CUDA with "
         "FlashInfer's fused kernels, else the rotary kernel then the store), triton, torch",
     )
+    p.add_argument(
+        "--splitk-norm-kernel",
+        choices=SPLITK_NORM_KERNELS,
+        default="auto",
+        help="o_proj and down split over K, summed by the add-RMSNorm after them: auto (a Triton "
+        "kernel on sm90 with --tp 1, at the token counts where it is faster), triton, torch "
+        "(cuBLAS's projection, then the norm)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
     p.add_argument(
@@ -246,4 +255,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         fused_kernels=args.fused_kernels,
         gate_up_kernel=args.gate_up_kernel,
         rope_store_kernel=args.rope_store_kernel,
+        splitk_norm_kernel=args.splitk_norm_kernel,
     )

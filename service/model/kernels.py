@@ -1,4 +1,6 @@
-"""The model's elementwise kernels: RMSNorm (with the residual add fused in), rotary, SiLU-and-mul.
+"""The model's elementwise kernels: RMSNorm (with the residual add fused in), rotary, SiLU-and-mul;
+and the row-parallel projections whose output goes straight into the add-RMSNorm (o_proj, down:
+``row_linear``), which may hand the norm unsummed split-K partials (``SplitK``) to sum.
 
 Two implementations with one interface, chosen once per rank at start-up
 (service.ranks.select):
@@ -19,14 +21,24 @@ fused qkv tensor (row stride larger than their width).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.model import splitk
 from service.model.attention import KVTarget
 from service.model.rotary import cos_sin_at
+from service.model.splitk_policy import slices as splitk_slices
+
+
+class SplitK(NamedTuple):
+    """A row-parallel projection's output not yet summed: float32 partial products over S
+    slices of K, (S, T, N). Only :meth:`Kernels.add_rms_norm` consumes it (it sums them while
+    adding the residual), so the reduction costs no kernel of its own."""
+
+    parts: torch.Tensor
 
 
 class Kernels:
@@ -66,6 +78,33 @@ class Kernels:
         target.store(k, v)
         return q, k, v
 
+    # service.model.splitk_triton.add_rms_norm where the rank chose the split-K projection +
+    # add-RMSNorm (service.ranks.select.choose_splitk_norm), else None: the projection, then
+    # the norm
+    _splitk_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def use_splitk_norm(self) -> None:
+        from service.model import splitk_triton  # needs triton
+
+        self._splitk_norm = splitk_triton.add_rms_norm
+
+    def row_linear(self, x: torch.Tensor, proj: nn.Module) -> torch.Tensor | SplitK:
+        """``proj(x)`` for a row-parallel projection (service.model.parallel.RowParallelLinear)
+        whose output goes straight into :meth:`add_rms_norm`: x (T, K) -> (T, N), or, where the
+        split-K kernel was chosen and service.model.splitk_policy splits at T rows, its float32
+        partials over K-slices. One rank only (tp 1): with more, the output is all-reduced in
+        the input dtype first. Never under ``torch.compile``: inductor fuses the norm itself."""
+        if (
+            self._splitk_norm is not None
+            and proj.tp.world_size == 1
+            and not torch.compiler.is_compiling()
+        ):
+            weight = proj.weight
+            s = splitk_slices(x.shape[0], x.shape[-1], weight.shape[0])
+            if s > 1 and splitk.fits(x, weight, s):
+                return SplitK(splitk.partials(x, weight, s))
+        return proj(x)
+
     def use_fused_gate_up(self) -> None:
         from service.model.gate_up_triton import gate_up_silu  # needs triton
 
@@ -85,9 +124,19 @@ class Kernels:
         return weight * xf.to(x.dtype)
 
     def add_rms_norm(
+        self, x: torch.Tensor | SplitK, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x): the residual stream moves on by x. x may be
+        :meth:`row_linear`'s partials: then one kernel sums them, adds and norms."""
+        if isinstance(x, SplitK):
+            if self._splitk_norm is not None and residual.stride(-1) == 1:
+                return self._splitk_norm(x.parts, residual, weight, eps)
+            return splitk.add_rms_norm(x.parts, residual, weight, eps)
+        return self._add_rms_norm(x, residual, weight, eps)
+
+    def _add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(residual + x), residual + x): the residual stream moves on by x."""
         residual = residual + x
         return self.rms_norm(residual, weight, eps), residual
 
@@ -170,11 +219,11 @@ class FlashInferKernels(Kernels):
             return super().rms_norm(x, weight, eps)
         return self.fi.norm.rmsnorm(x, weight, eps)
 
-    def add_rms_norm(
+    def _add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():
-            return super().add_rms_norm(x, residual, weight, eps)
+            return super()._add_rms_norm(x, residual, weight, eps)
         # in place: residual += x, then x = rms_norm(residual) * weight; one kernel
         self.fi.norm.fused_add_rmsnorm(x, residual, weight, eps)
         return x, residual

@@ -32,7 +32,7 @@ from service.model.attention import (
     BoundAttention,
     KVTarget,
 )
-from service.model.kernels import Kernels
+from service.model.kernels import Kernels, SplitK
 from service.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -55,8 +55,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x), one kernel where the kernels fuse it."""
+    def add(
+        self, x: torch.Tensor | SplitK, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), one kernel where the kernels fuse it (x may be a
+        projection's unsummed split-K partials, Kernels.row_linear)."""
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -138,15 +141,23 @@ class MLP(nn.Module):
         """The output before the all-reduce (a MoE layer adds the routed experts first)."""
         return self.down_proj.partial(self.kernels.gate_up_silu(x, self.gate_up_proj))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitK:  # (T, H) -> (T, H)
+        """The output feeds the next add-RMSNorm only: at the token counts where the split-K
+        kernel was chosen it is down's unsummed partials (Kernels.row_linear)."""
         # Compiled (tc_piecewise) pieces run it whole: inductor fuses the activation into one
         # kernel (or, with the fused gate_up kernel, one opaque op picks per call), and no size
         # test enters the trace, so one trace serves every bucket.
         if torch.compiler.is_compiling() or x.shape[0] <= MLP_TOKEN_CHUNK:
-            return self.down_proj(self.kernels.gate_up_silu(x, self.gate_up_proj))
+            return self.kernels.row_linear(
+                self.kernels.gate_up_silu(x, self.gate_up_proj), self.down_proj
+            )
         # Long batches run in token chunks: the (T, 2 * intermediate) activation is the largest
-        # tensor of the forward, and a captured graph's pool keeps its peak for good.
-        return torch.cat([self(part) for part in x.split(MLP_TOKEN_CHUNK)])
+        # tensor of the forward, and a captured graph's pool keeps its peak for good. (Chunks are
+        # past the split-K policy's rows, splitk_policy.MAX_ROWS: each is one tensor.)
+        return torch.cat(
+            [self.down_proj(self.kernels.gate_up_silu(p, self.gate_up_proj))
+             for p in x.split(MLP_TOKEN_CHUNK)]
+        )  # fmt: skip
 
 
 class PreNormLayer(nn.Module):
@@ -160,17 +171,19 @@ class PreNormLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def norm_input(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor | SplitK, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous layer's output x (T, H) (the embeddings for layer 0, whose residual is
         None) -> the attention's normed input (T, H), the residual stream with x added."""
-        if residual is None:
+        if residual is None:  # layer 0: x is the embeddings
+            if isinstance(x, SplitK):
+                raise TypeError("layer 0's input is the embeddings, not a projection's partials")
             return self.input_layernorm(x), x
         return self.input_layernorm.add(x, residual)
 
     def mlp_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor | SplitK, residual: torch.Tensor
+    ) -> tuple[torch.Tensor | SplitK, torch.Tensor]:
         """The attention's projected output x (T, H) -> MLP output (T, H), residual with x
         added."""
         h, residual = self.post_attention_layernorm.add(x, residual)
@@ -193,7 +206,7 @@ class DecoderLayer(PreNormLayer):
 
     def pre_attention(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | SplitK,
         residual: torch.Tensor | None,
         rope: object,
         qkv_out: torch.Tensor | None = None,
@@ -208,10 +221,11 @@ class DecoderLayer(PreNormLayer):
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | SplitK, torch.Tensor]:
         """Attention output (T, Hq*D) and residual (T, H) -> MLP output (T, H), residual with
         the attention output added."""
-        return self.mlp_residual(self.self_attn.o_proj(attn_out), residual)
+        o = self.self_attn.kernels.row_linear(attn_out, self.self_attn.o_proj)
+        return self.mlp_residual(o, residual)
 
 
 class CausalLM(nn.Module):
@@ -313,7 +327,7 @@ class CausalLM(nn.Module):
     def _start_layer(
         self,
         i: int,
-        x: torch.Tensor,
+        x: torch.Tensor | SplitK,
         residual: torch.Tensor | None,
         rope: object,
         attention: BoundAttention,

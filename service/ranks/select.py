@@ -186,6 +186,45 @@ def choose_rope_store(
                   "fused kernels")  # fmt: skip
 
 
+# the split-K slices were measured on Hopper (H200); elsewhere ask for it by name
+SPLITK_AUTO_ARCH = 9
+
+
+def choose_splitk_norm(
+    requested: str,
+    device_type: str,
+    dtype: str,
+    capability: tuple[int, int] | None,
+    tp_size: int,
+    import_error: str | None,
+) -> BackendChoice:
+    """o_proj and down: a batched GEMM over K-slices whose float32 partials the following
+    add-RMSNorm sums in one Triton kernel ("triton", service.model.splitk_triton, at the token
+    counts service.model.splitk_policy picks), or cuBLAS's projection, then the norm ("torch")."""
+    flag = "--splitk-norm-kernel"
+    if device_type != "cuda":
+        blocker: str | None = f"the kernel needs a CUDA device (this rank runs on {device_type})"
+    elif tp_size != 1:
+        blocker = (
+            f"with --tp {tp_size} each projection's output is all-reduced before the norm, so "
+            "the norm cannot sum its K-slices"
+        )
+    elif import_error is not None:
+        blocker = f"triton is not importable ({import_error})"
+    elif dtype not in FLASHINFER_DTYPES:
+        blocker = f"dtype {dtype} is not one of the kernel's {list(FLASHINFER_DTYPES)}"
+    else:
+        blocker = None
+    untuned = None
+    if capability is not None and capability[0] != SPLITK_AUTO_ARCH:
+        untuned = (
+            f"the split-K slices are measured on sm90 only (this device is sm{_sm(capability)}); "
+            f"pass {flag} triton to try it"
+        )
+    return choose(requested, flag, blocker, "triton", "auto: CUDA sm90, tp 1, triton installed",
+                  untuned)  # fmt: skip
+
+
 def triton_import_error() -> str | None:
     """None when ``import triton`` works, else the error's one-line text."""
     try:

@@ -42,6 +42,7 @@ from service.ranks.select import (
     choose_gate_up,
     choose_kernels,
     choose_rope_store,
+    choose_splitk_norm,
     flashinfer_import_error,
     triton_import_error,
 )
@@ -111,6 +112,17 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         mla=arch.mla is not None,
     )
     log.info("rope_store kernel: %s (%s)", rope_store.name, rope_store.reason)
+    splitk_norm = choose_splitk_norm(
+        cfg.splitk_norm_kernel,
+        device.type,
+        dtype_name,
+        capability,
+        tp.world_size,
+        triton_import_error()
+        if device.type == "cuda" and cfg.splitk_norm_kernel != "torch"
+        else None,
+    )
+    log.info("splitk_norm kernel: %s (%s)", splitk_norm.name, splitk_norm.reason)
     model = build_model(
         model_dir,
         tp=tp,
@@ -124,6 +136,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
             kernels.name,
             fused_gate_up=gate_up.name == "triton",
             rope_store=rope_store.name == "triton",
+            splitk_norm=splitk_norm.name == "triton",
         ),
     )
     parts, kv_heads, kv_dim = model.kv_entry()
@@ -168,16 +181,21 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         kernels=kernels,
         gate_up=gate_up,
         rope_store=rope_store,
+        splitk_norm=splitk_norm,
     )
     return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, decode, info)
 
 
-def make_kernels(name: str, fused_gate_up: bool = False, rope_store: bool = False) -> Kernels:
+def make_kernels(
+    name: str, fused_gate_up: bool = False, rope_store: bool = False, splitk_norm: bool = False
+) -> Kernels:
     kernels = FlashInferKernels() if name == "flashinfer" else Kernels()
     if fused_gate_up:
         kernels.use_fused_gate_up()
     if rope_store:
         kernels.use_rope_store()
+    if splitk_norm:
+        kernels.use_splitk_norm()
     return kernels
 
 

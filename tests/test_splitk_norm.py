@@ -1,0 +1,267 @@
+"""o_proj and down split over K, their float32 partials summed by the add-RMSNorm after them: the
+policy, which ranks may choose the kernel and why, what /server_info says, the model's route on
+CPU (the torch reference of the summing kernel behind the real slicing); on CUDA (gpu marker)
+the Triton kernel against that reference and against cuBLAS + the norm, and the model with it
+against the model without it, eager and replayed."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from service.buckets import decide_replay
+from service.cli.args import add_engine_arguments, engine_config_from_args
+from service.config import EngineConfig, GraphConfig
+from service.engine import Engine
+from service.errors import ConfigError
+from service.model import splitk
+from service.model.kernels import Kernels
+from service.model.llama import MLP_TOKEN_CHUNK
+from service.model.splitk_policy import MAX_ROWS, slices
+from service.ranks.select import choose_splitk_norm
+from tests.batches import live_batch
+
+QWEN_H, QWEN_I = 1536, 8960  # Qwen2.5-1.5B: o_proj (H, H), down (H, I); the measured shapes
+
+
+def test_the_policy_splits_where_it_was_measured_faster():
+    """docs/benchmarks.md, session 36 (benchmarks/splitk_norm.py on the H200)."""
+    down = {m: slices(m, QWEN_I, QWEN_H) for m in (16, 64, 256, 512, 1024, 2048)}
+    assert down == {16: 4, 64: 4, 256: 4, 512: 2, 1024: 1, 2048: 1}
+    o_proj = {m: slices(m, QWEN_H, QWEN_H) for m in (16, 256, 257, 512, 1024)}
+    assert o_proj == {16: 2, 256: 2, 257: 1, 512: 1, 1024: 1}
+
+
+@given(
+    st.integers(min_value=-1, max_value=100_000),
+    st.integers(min_value=1, max_value=40_000),
+    st.integers(min_value=1, max_value=40_000),
+)
+def test_slices_always_divide_k_and_stop_past_the_largest_measured_rows(rows, k, n):
+    s = slices(rows, k, n)
+    assert s in (1, 2, 4) and k % s == 0
+    if rows < 1 or rows > MAX_ROWS:
+        assert s == 1
+    # the MLP's token chunks are past the policy: a chunked MLP never returns partials
+    assert slices(MLP_TOKEN_CHUNK, k, n) == 1
+
+
+@pytest.mark.parametrize("s", [2, 4])
+def test_partials_sum_to_the_projection_without_copying_a_strided_input(s):
+    """x is a column slice of a wider buffer (row stride past its width), as a segment's
+    attention output can be: the slices' products sum to F.linear's (float32), and a weight the
+    slicing cannot view, or a K the slices do not divide, is refused instead of miscomputed."""
+    g = torch.Generator().manual_seed(s)
+    wide = torch.randn(37, 96 + 40, generator=g)
+    x = wide[:, 8:104]  # (37, 96), row stride 136
+    w = torch.randn(48, 96, generator=g)
+    assert splitk.fits(x, w, s)
+    parts = splitk.partials(x, w, s)
+    assert parts.shape == (s, 37, 48) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.sum(0), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    # each slice is its own K range (a view that read the wrong columns would still sum right
+    # only by accident: check the first slice alone)
+    kc = 96 // s
+    torch.testing.assert_close(parts[0], F.linear(x[:, :kc], w[:, :kc]), rtol=1e-5, atol=1e-5)
+    assert not splitk.fits(x, w.t().contiguous().t(), s)  # a transposed weight
+    assert not splitk.fits(x, w[:, :90], s)  # K mismatch
+    assert not splitk.fits(torch.randn(4, 90), torch.randn(8, 90), 4)  # 4 does not divide 90
+
+
+def test_the_reference_sum_norm_matches_the_projection_then_the_add_norm():
+    """float32: summing the partials inside the norm gives the projection-then-add-norm result,
+    and the residual stream moves on in place."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(20, 64, generator=g), torch.randn(32, 64, generator=g)
+    res = torch.randn(20, 32, generator=g)
+    gamma = torch.rand(32, generator=g) + 0.5
+    want_h, want_r = Kernels().add_rms_norm(F.linear(x, w), res.clone(), gamma, 1e-6)
+    mine = res.clone()
+    got_h, got_r = splitk.add_rms_norm(splitk.partials(x, w, 4), mine, gamma, 1e-6)
+    assert got_r is mine
+    torch.testing.assert_close(got_r, want_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+
+
+def test_who_may_choose_the_kernel_and_why():
+    sm90 = choose_splitk_norm("auto", "cuda", "bfloat16", (9, 0), 1, None)
+    assert sm90.name == "triton" and "sm90" in sm90.reason
+    cpu = choose_splitk_norm("auto", "cpu", "float32", None, 1, None)
+    assert cpu.name == "torch" and "CUDA device" in cpu.reason
+    tp2 = choose_splitk_norm("auto", "cuda", "bfloat16", (9, 0), 2, None)
+    assert tp2.name == "torch" and "--tp 2" in tp2.reason and "all-reduced" in tp2.reason
+    missing = choose_splitk_norm("auto", "cuda", "bfloat16", (9, 0), 1, "ImportError: x")
+    assert missing.name == "torch" and "triton is not importable" in missing.reason
+    fp32 = choose_splitk_norm("auto", "cuda", "float32", (9, 0), 1, None)
+    assert fp32.name == "torch" and "float32" in fp32.reason
+    blackwell = choose_splitk_norm("auto", "cuda", "bfloat16", (10, 0), 1, None)
+    assert blackwell.name == "torch" and "--splitk-norm-kernel triton" in blackwell.reason
+    asked = choose_splitk_norm("triton", "cuda", "bfloat16", (10, 0), 1, None)
+    assert asked.name == "triton" and "asked for" in asked.reason
+    with pytest.raises(ConfigError, match=r"--splitk-norm-kernel triton cannot run here: .*tp 4"):
+        choose_splitk_norm("triton", "cuda", "bfloat16", (9, 0), 4, None)
+    with pytest.raises(ConfigError, match="unsupported splitk_norm kernel 'cutlass'"):
+        EngineConfig(splitk_norm_kernel="cutlass")
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    got = engine_config_from_args(p.parse_args(["--splitk-norm-kernel", "torch"]))
+    assert got.splitk_norm_kernel == "torch"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--splitk-norm-kernel", "cublas"])
+
+
+def test_server_info_reports_the_choice_with_its_reason():
+    e = Engine(EngineConfig(device="cpu", context_length=64, kv_cache_memory_bytes=8 << 20,
+                            graph=GraphConfig(backend="eager")))  # fmt: skip
+    info = e.resolved.to_json()
+    assert info["splitk_norm_kernel"]["name"] == "torch"
+    assert "CUDA device" in info["splitk_norm_kernel"]["reason"]
+
+
+def _engine(backend: str, device: str, **kw) -> Engine:
+    return Engine(
+        EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32",
+                     context_length=512, max_running_requests=8, chunked_prefill_size=256,
+                     kv_cache_memory_bytes=32 << 20,
+                     graph=GraphConfig(backend=backend, buckets=(64, 256)), **kw),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["eager", "full", "breakable", "tc_piecewise"])
+def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monkeypatch):
+    """CPU, float32, the torch reference standing in for the Triton kernel behind the real
+    slicing: the logits and the cache match the plain route's, and every layer's o_proj and
+    down really went through the sum (2 K-slices of the built-in's K = 256 and 768, at the
+    batch's or the bucket's rows). A slicing that read the wrong columns, a norm that dropped a
+    partial or forgot the residual, or partials reaching a consumer that wanted a tensor fail
+    here. tc_piecewise's compiled pieces keep inductor's own norm: no partials there."""
+    import service.ranks.startup as startup
+
+    calls: list[tuple[int, ...]] = []
+
+    def counting_norm(parts, residual, weight, eps):
+        calls.append(tuple(parts.shape))
+        return splitk.add_rms_norm(parts, residual, weight, eps)
+
+    def routed_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
+        k = Kernels()
+        k._splitk_norm = counting_norm
+        return k
+
+    plain = _engine(backend, "cpu")
+    monkeypatch.setattr(startup, "make_kernels", routed_kernels)
+    routed = _engine(backend, "cpu")
+    at_capture = list(calls)
+    layers = len(routed.executor.worker.model.layers)
+    outs = []
+    for e in (plain, routed):
+        w = e.executor.worker
+        batch = live_batch(w, (20, 17, 11), seed=3)
+        hit = decide_replay(e.resolved.plan, 48, 3)
+        calls.clear()
+        with torch.inference_mode():
+            runner = w.eager_runner if backend == "eager" else w.runner
+            got = runner.run(batch, hit).clone()
+            outs.append((got, torch.stack([t.clone() for t in w.kv.kv])))
+    (p_out, p_cache), (r_out, r_cache) = outs
+    assert (p_out - r_out).abs().max().item() < 1e-4 * p_out.abs().max().item()
+    assert (p_cache - r_cache).abs().max().item() < 1e-4 * p_cache.abs().max().item()
+    if backend == "eager":  # o_proj's and down's sums of every layer, at the batch's rows
+        assert calls.count((2, 48, 256)) == 2 * layers, calls
+    elif backend == "tc_piecewise":  # compiled pieces: inductor's own norm
+        assert not [c for c in at_capture if c[1] in (64, 256)], at_capture
+    else:
+        # on CPU a capture records the aten ops of one call (service.ranks.runners.op_trace) and
+        # a replay re-runs them: the sums ran at capture (and at its warm-up call, where the
+        # runner makes one), every layer, each bucket's rows
+        for bucket in (64, 256):
+            n = at_capture.count((2, bucket, 256))
+            assert n and n % (2 * layers) == 0, at_capture
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+def _needs_triton() -> None:
+    pytest.importorskip("triton", reason="needs triton")
+
+
+# bf16 outputs: one rounding is 2^-8 of the value
+TOL = 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 37, 256, 512])
+@pytest.mark.parametrize("n,k,s", [(QWEN_H, QWEN_I, 4), (QWEN_H, QWEN_H, 2), (200, 96, 2)])
+def test_the_kernel_matches_the_reference_and_cublas_then_the_norm(tokens, n, k, s):
+    """The Triton sum + add + norm against its torch reference on the same partials (the same
+    arithmetic: within one bf16 rounding), and against cuBLAS's projection then the torch
+    add-norm (within the stated tolerance), with an N no power of two (200: masked columns) and
+    a residual that is a column slice of a wider buffer."""
+    _needs_triton()
+    from service.model import splitk_triton
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(tokens * 7 + s)
+    x = torch.randn(tokens, k, generator=g, device=dev).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g, device=dev) / k**0.5).to(torch.bfloat16)
+    wide = torch.randn(tokens, n + 64, generator=g, device=dev).to(torch.bfloat16)
+    gamma = (torch.rand(n, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+    parts = splitk.partials(x, w, s)
+    ref_res = wide[:, 32 : 32 + n].clone()
+    ref_h, _ = splitk.add_rms_norm(parts, ref_res, gamma, 1e-6)
+    kern_buf = wide.clone()
+    kern_res = kern_buf[:, 32 : 32 + n]
+    got_h, got_r = splitk_triton.add_rms_norm(parts, kern_res, gamma, 1e-6)
+    assert got_r.data_ptr() == kern_res.data_ptr()
+    assert torch.equal(kern_buf[:, :32], wide[:, :32])  # the columns around it untouched
+    assert torch.equal(kern_buf[:, 32 + n :], wide[:, 32 + n :])
+    torch.testing.assert_close(got_r, ref_res, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(got_h, ref_h, rtol=2**-7, atol=2**-7)
+    want_h, want_r = Kernels().add_rms_norm(F.linear(x, w), wide[:, 32 : 32 + n].clone(), gamma,
+                                            1e-6)  # fmt: skip
+    scale = want_h.float().abs().max().item()
+    assert (got_h.float() - want_h.float()).abs().max().item() < TOL * scale
+    assert (got_r.float() - want_r.float()).abs().max().item() < TOL * want_r.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["breakable", "tc_piecewise", "full"])
+def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeypatch):
+    """The built-in model in bf16, eager and replayed, with the split-K kernel against the same
+    weights without it: logits within the stated tolerance, the kernel really ran in the
+    captured graphs (full, breakable) and not in compiled pieces, and each replay within the same
+    tolerance of its eager."""
+    _needs_triton()
+    from service.model import splitk_triton
+
+    rows: list[int] = []
+    real = splitk_triton.add_rms_norm
+    monkeypatch.setattr(splitk_triton, "add_rms_norm",
+                        lambda p, *a: rows.append(p.shape[1]) or real(p, *a))  # fmt: skip
+    on = _engine(backend, "cuda", splitk_norm_kernel="triton")
+    off = _engine(backend, "cuda", splitk_norm_kernel="torch")
+    assert on.resolved.limits.splitk_norm.name == "triton"
+    assert off.resolved.limits.splitk_norm.name == "torch"
+    captured = list(rows)
+    if backend == "tc_piecewise":
+        assert 64 not in captured
+    else:
+        assert 64 in captured and 256 in captured
+    outs = []
+    for e in (on, off):
+        w = e.executor.worker
+        batch = live_batch(w, (20, 17, 11), seed=3)
+        hit = decide_replay(e.resolved.plan, 48, 3)
+        with torch.inference_mode():
+            outs.append((w.eager_runner.run(batch, hit).float(),
+                         w.runner.run(batch, hit).float()))  # fmt: skip
+    (on_eager, on_replay), (off_eager, off_replay) = outs
+    assert 48 in rows  # the eager call summed its 48 rows' partials
+    scale = off_eager.abs().max().item()
+    assert (on_eager - off_eager).abs().max().item() < 2e-2 * scale
+    assert (on_replay - off_replay).abs().max().item() < 2e-2 * scale
+    assert (on_replay - on_eager).abs().max().item() < 2e-2 * scale
