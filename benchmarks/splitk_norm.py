@@ -12,9 +12,10 @@ Variants, microseconds per call inside one CUDA graph of 20 calls (``gemm_shapes
 
 - ``ref``: ``F.linear`` then FlashInfer's ``fused_add_rmsnorm`` (what the model runs);
 - ``ref_gemm``: ``F.linear`` alone;
-- ``bmm{S}``: ``torch.bmm`` over S K-slices with fp32 output, alone;
-- ``new{S}``: that, then one Triton kernel: the S partials summed (rounded to bf16, as the GEMM's
-  output was), the residual added and stored, the RMSNorm written.
+- ``bmm{S}``: ``torch.bmm`` over S K-slices with fp32 output, alone (service.model.splitk);
+- ``new{S}``: that, then one Triton kernel (service.model.splitk_triton, as the model runs it):
+  the S partials summed (rounded to bf16, as the GEMM's output was), the residual added and
+  stored, the RMSNorm written.
 
     python benchmarks/splitk_norm.py --m 16,64,256,1024 --out splitk.json
 """
@@ -32,37 +33,10 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gemm_shapes import graph_us
+from service.model import splitk
 
 H, I_ = 1536, 8960
 SHAPES = {"o_proj": (H, H), "down": (H, I_)}  # name: (N, K)
-
-
-def splitk_add_rmsnorm_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(p, res, w, out, T, N, eps, S: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for s in tl.static_range(S):
-            acc += tl.load(p + (s * T + t) * N + cols, mask=mask, other=0.0)
-        # the GEMM's output was bf16 before the add: round as it did
-        acc = acc.to(res.dtype.element_ty).to(tl.float32)
-        x = acc + tl.load(res + t * N + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(res + t * N + cols, x.to(res.dtype.element_ty), mask=mask)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        g = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out + t * N + cols, (x * rstd * g).to(out.dtype.element_ty), mask=mask)
-
-    def run(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, out, eps: float):
-        s, t, n = parts.shape
-        block = triton.next_power_of_2(n)
-        kernel[(t,)](parts, residual, weight, out, t, n, eps, S=s, BLOCK=block, num_warps=8)
-
-    return run
 
 
 def measure(name: str, n: int, k: int, m: int, splits: list[int], norm, fi) -> dict:
@@ -83,24 +57,20 @@ def measure(name: str, n: int, k: int, m: int, splits: list[int], norm, fi) -> d
     row["ref_gemm"] = graph_us(lambda: F.linear(x, w))
     want_res, want = res0.clone(), F.linear(x, w)
     fi.norm.fused_add_rmsnorm(want, want_res, g, eps)
-    out = torch.empty(m, n, device=dev, dtype=dt)
     for s in splits:
         if k % s:
             continue
-        kc = k // s
-        xs = x.view(m, s, kc).transpose(0, 1)  # (S, M, Kc), no copy
-        ws = w.view(n, s, kc).permute(1, 2, 0)  # (S, Kc, N), no copy
 
-        def bmm(xs: torch.Tensor = xs, ws: torch.Tensor = ws) -> torch.Tensor:  # (S, M, N) fp32
-            return torch.bmm(xs, ws, out_dtype=torch.float32)
+        def bmm(s: int = s) -> torch.Tensor:  # (S, M, N) fp32: the model's call
+            return splitk.partials(x, w, s)
 
         def new(bmm=bmm) -> None:
-            norm(bmm(), res, g, out, eps)
+            norm(bmm(), res, g, eps)
 
         row[f"bmm{s}"] = graph_us(bmm)
         row[f"new{s}"] = graph_us(new)
         got_res = res0.clone()
-        norm(bmm(), got_res, g, out, eps)
+        out, _ = norm(bmm(), got_res, g, eps)
         torch.cuda.synchronize()
         d_out = float((out - want).abs().max()) / float(want.abs().max())
         d_res = float((got_res - want_res).abs().max()) / float(want_res.abs().max())
@@ -116,7 +86,8 @@ def main() -> int:
     args = ap.parse_args()
     import flashinfer
 
-    norm = splitk_add_rmsnorm_kernel()
+    from service.model.splitk_triton import add_rms_norm as norm  # the model's kernel
+
     torch.manual_seed(0)
     splits = [int(v) for v in args.splits.split(",")]
     results: list[dict] = []

@@ -20,7 +20,7 @@ from service.errors import ConfigError
 from service.model.kernels import Kernels
 from service.model.rope_store_policy import block_tokens
 from service.ranks.select import choose_rope_store
-from tests.batches import live_batch
+from tests.batches import live_batch, small_engine
 
 
 @given(st.integers(min_value=1, max_value=100_000))
@@ -99,16 +99,6 @@ def test_ranks_that_chose_different_kernels_are_refused_with_the_flag_to_pass():
                                   f"rank 1: triton (auto: x); pass {flag} explicitly")  # fmt: skip
 
 
-def _engine(backend: str, device: str, **kw) -> Engine:
-    return Engine(
-        EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32",
-                     # (`**kw` may name a model: FlashInfer needs a head dim the built-in lacks)
-                     context_length=512, max_running_requests=8, chunked_prefill_size=256,
-                     kv_cache_memory_bytes=32 << 20,
-                     graph=GraphConfig(backend=backend, buckets=(64, 256)), **kw),
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("backend", ["eager", "full", "breakable", "tc_piecewise"])
 def test_the_model_stores_through_the_kv_target_where_the_kernels_say_so(backend, monkeypatch):
     """CPU, with the reference (rotary, then the bound attention's own store) behind the KV
@@ -131,9 +121,9 @@ def test_the_model_stores_through_the_kv_target_where_the_kernels_say_so(backend
         k._rope_store = "reference"  # any chosen kernel routes through the target
         return k
 
-    plain = _engine(backend, "cpu")
+    plain = small_engine(backend, "cpu")
     monkeypatch.setattr(startup, "make_kernels", spy_kernels)
-    routed = _engine(backend, "cpu")
+    routed = small_engine(backend, "cpu")
     assert type(routed.executor.worker.model.kernels) is Spy
     outs = []
     for e in (plain, routed):
@@ -239,9 +229,9 @@ def test_the_kernel_routes_keep_the_results_and_store_once(backend, monkeypatch)
     real_store = custom_op._store
     monkeypatch.setattr(custom_op, "_store", lambda k, v, kv, loc: stores.append(k.shape[0])
                         or real_store(k, v, kv, loc))  # fmt: skip
-    plain = _engine(backend, "cpu")
+    plain = small_engine(backend, "cpu")
     monkeypatch.setattr(startup, "make_kernels", lambda *a, **k: _cpu_flashinfer_kernels())
-    routed = _engine(backend, "cpu")
+    routed = small_engine(backend, "cpu")
     assert routed.executor.worker.model.kernels.stores_kv()
     outs = []
     for e in (plain, routed):
@@ -387,8 +377,12 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
     monkeypatch.setattr(
         rs, "rope_store", lambda qkv, *a, **kw: rows.append(qkv.shape[0]) or real(qkv, *a, **kw)
     )
-    on = _engine(backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="triton", **model)
-    off = _engine(backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="torch", **model)
+    on = small_engine(
+        backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="triton", **model
+    )
+    off = small_engine(
+        backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="torch", **model
+    )
     assert on.resolved.limits.rope_store.name == "triton"
     assert off.resolved.limits.rope_store.name == "torch"
     if backend != "eager":

@@ -24,7 +24,7 @@ from service.model.kernels import Kernels
 from service.model.llama import MLP_TOKEN_CHUNK
 from service.model.splitk_policy import MAX_ROWS, slices
 from service.ranks.select import choose_splitk_norm
-from tests.batches import live_batch
+from tests.batches import live_batch, small_engine
 
 QWEN_H, QWEN_I = 1536, 8960  # Qwen2.5-1.5B: o_proj (H, H), down (H, I); the measured shapes
 
@@ -123,15 +123,6 @@ def test_server_info_reports_the_choice_with_its_reason():
     assert "CUDA device" in info["splitk_norm_kernel"]["reason"]
 
 
-def _engine(backend: str, device: str, **kw) -> Engine:
-    return Engine(
-        EngineConfig(device=device, dtype="bfloat16" if device == "cuda" else "float32",
-                     context_length=512, max_running_requests=8, chunked_prefill_size=256,
-                     kv_cache_memory_bytes=32 << 20,
-                     graph=GraphConfig(backend=backend, buckets=(64, 256)), **kw),
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("backend", ["eager", "full", "breakable", "tc_piecewise"])
 def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monkeypatch):
     """CPU, float32, the torch reference standing in for the Triton kernel behind the real
@@ -153,9 +144,9 @@ def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monk
         k._splitk_norm = counting_norm
         return k
 
-    plain = _engine(backend, "cpu")
+    plain = small_engine(backend, "cpu")
     monkeypatch.setattr(startup, "make_kernels", routed_kernels)
-    routed = _engine(backend, "cpu")
+    routed = small_engine(backend, "cpu")
     at_capture = list(calls)
     layers = len(routed.executor.worker.model.layers)
     outs = []
@@ -242,8 +233,8 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
     real = splitk_triton.add_rms_norm
     monkeypatch.setattr(splitk_triton, "add_rms_norm",
                         lambda p, *a: rows.append(p.shape[1]) or real(p, *a))  # fmt: skip
-    on = _engine(backend, "cuda", splitk_norm_kernel="triton")
-    off = _engine(backend, "cuda", splitk_norm_kernel="torch")
+    on = small_engine(backend, "cuda", splitk_norm_kernel="triton")
+    off = small_engine(backend, "cuda", splitk_norm_kernel="torch")
     assert on.resolved.limits.splitk_norm.name == "triton"
     assert off.resolved.limits.splitk_norm.name == "torch"
     captured = list(rows)
