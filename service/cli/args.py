@@ -191,9 +191,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         "--splitk-norm-kernel",
         choices=SPLITK_NORM_KERNELS,
         default="auto",
-        help="o_proj and down split over K, summed by the add-RMSNorm after them: auto (a Triton "
-        "kernel on sm90 with --tp 1, at the token counts where it is faster), triton, torch "
-        "(cuBLAS's projection, then the norm)",
+        help="o_proj and down split over K, summed by the add-RMSNorm after them: triton (a Triton "
+        "kernel, CUDA with --tp 1, at the token counts where it measured faster), torch (cuBLAS's "
+        "projection, then the norm), auto (torch until the kernel is validated in the model on a "
+        "GPU)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
