@@ -262,3 +262,51 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
     assert (on_eager - off_eager).abs().max().item() < 2e-2 * scale
     assert (on_replay - off_replay).abs().max().item() < 2e-2 * scale
     assert (on_replay - on_eager).abs().max().item() < 2e-2 * scale
+
+
+@pytest.mark.parametrize("backend", ["eager", "breakable"])
+def test_deepseeks_dense_layer_routes_down_through_the_summing_norm(backend, tmp_path, monkeypatch):
+    """DeepSeek V2 (tiny, float32, CPU): its dense layer's down goes through the sum and the
+    next layer's add-norm takes the partials (MLA's o_proj and the MoE layers stay as they
+    are); generated tokens and prefill logits match the plain route's."""
+    import service.ranks.startup as startup
+    from service.sampling import SamplingParams
+    from tests.hf_models import make_deepseek_v2
+
+    make_deepseek_v2(tmp_path)
+    calls: list[tuple[int, ...]] = []
+
+    def routed_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
+        k = Kernels()
+        k._splitk_norm = lambda parts, *a: (
+            calls.append(tuple(parts.shape)) or splitk.add_rms_norm(parts, *a)
+        )
+        return k
+
+    def engine() -> Engine:
+        e = Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", device="cpu",
+                                context_length=128, max_running_requests=4,
+                                kv_cache_memory_bytes=8 << 20,
+                                graph=GraphConfig(backend=backend, buckets=(16, 64))))  # fmt: skip
+        e.return_logits = True
+        return e
+
+    outs = []
+    for routed in (False, True):
+        if routed:
+            monkeypatch.setattr(startup, "make_kernels", routed_kernels)
+        e = engine()
+        calls.clear()
+        greedy = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        got = e.generate([list(range(3, 43)), [9, 4, 1, 7]], greedy)
+        prefill = [r.logits for b, r in e.last_logits if b.command.is_prefill]
+        outs.append(([o.output_ids for o in got], prefill, list(calls)))
+    (p_ids, p_logits, _), (r_ids, r_logits, r_calls) = outs
+    assert r_ids == p_ids
+    for p, r in zip(p_logits, r_logits, strict=True):
+        assert (p - r).abs().max().item() < 1e-4 * p.abs().max().item()
+    # the dense layer's down (K 96 -> 2 slices of 48, N 64); eager prefill runs the batch's 44
+    # rows, and decode steps run their 2 rows through the same route
+    assert (2, 2, 64) in r_calls
+    if backend == "eager":
+        assert (2, 44, 64) in r_calls
