@@ -2,7 +2,13 @@
 # One GPU call's checks and benchmarks, on the device tool's H200 (docs/benchmarks.md lists the
 # results). Each step has its own time bound and log under $RES; a failing step does not stop the
 # others. Run from the repository root, carrying .fiw (FlashInfer, ../shared/tools/
-# device-wheels.sh fi) and .gpuw (fastapi/uvicorn/pydantic/hypothesis wheels):
+# device-wheels.sh fi) and .gpuw (fastapi/uvicorn/pydantic/hypothesis wheels; on a fresh checkout:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .gpuw fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn \
+#     hypothesis sortedcontainers anyio sniffio h11 click opentelemetry-api importlib-metadata zipp \
+#     typing-extensions
+# and name .gpuw in .git/info/exclude):
 #
 #   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, serveprof, serveprof-uv,
 #                                                      # deepseek (V2-Lite shapes; no FlashInfer
