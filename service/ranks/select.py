@@ -154,6 +154,18 @@ def choose_gate_up(
     return choose(requested, flag, blocker, "triton", "auto: CUDA sm90, triton installed", untuned)
 
 
+def triton_kernel_blocker(device_type: str, dtype: str, import_error: str | None) -> str | None:
+    """Why one of the project's Triton kernels cannot run here, in the order an operator fixes
+    it (device, then triton, then dtype), or None."""
+    if device_type != "cuda":
+        return f"the kernel needs a CUDA device (this rank runs on {device_type})"
+    if import_error is not None:
+        return f"triton is not importable ({import_error})"
+    if dtype not in FLASHINFER_DTYPES:
+        return f"dtype {dtype} is not one of the kernel's {list(FLASHINFER_DTYPES)}"
+    return None
+
+
 def choose_rope_store(
     requested: str,
     device_type: str,
@@ -168,20 +180,13 @@ def choose_rope_store(
     The kernel reads the positions and the cos/sin table as FlashInfer's rotary does, so it runs
     with FlashInfer's fused kernels."""
     flag = "--rope-store-kernel"
-    if device_type != "cuda":
-        blocker: str | None = f"the kernel needs a CUDA device (this rank runs on {device_type})"
-    elif mla:
+    blocker = triton_kernel_blocker(device_type, dtype, import_error)
+    if device_type == "cuda" and mla:
         blocker = "MLA's rotary is its own (interleaved pairs on the shared key)"
-    elif import_error is not None:
-        blocker = f"triton is not importable ({import_error})"
-    elif dtype not in FLASHINFER_DTYPES:
-        blocker = f"dtype {dtype} is not one of the kernel's {list(FLASHINFER_DTYPES)}"
-    elif head_dim < 2 or head_dim & (head_dim - 1):
+    elif blocker is None and (head_dim < 2 or head_dim & (head_dim - 1)):
         blocker = f"head dim {head_dim} is not a power of two"
-    elif fused_kernels != "flashinfer":
+    elif blocker is None and fused_kernels != "flashinfer":
         blocker = "it runs with FlashInfer's fused kernels (--fused-kernels flashinfer)"
-    else:
-        blocker = None
     return choose(requested, flag, blocker, "triton", "auto: CUDA, triton installed, FlashInfer's "
                   "fused kernels")  # fmt: skip
 
@@ -205,19 +210,13 @@ def choose_splitk_norm(
     add-RMSNorm sums in one Triton kernel ("triton", service.model.splitk_triton, at the token
     counts service.model.splitk_policy picks), or cuBLAS's projection, then the norm ("torch")."""
     flag = "--splitk-norm-kernel"
-    if device_type != "cuda":
-        blocker: str | None = f"the kernel needs a CUDA device (this rank runs on {device_type})"
-    elif tp_size != 1:
-        blocker = (
+    if device_type == "cuda" and tp_size != 1:
+        blocker: str | None = (
             f"with --tp {tp_size} each projection's output is all-reduced before the norm, so "
             "the norm cannot sum its K-slices"
         )
-    elif import_error is not None:
-        blocker = f"triton is not importable ({import_error})"
-    elif dtype not in FLASHINFER_DTYPES:
-        blocker = f"dtype {dtype} is not one of the kernel's {list(FLASHINFER_DTYPES)}"
     else:
-        blocker = None
+        blocker = triton_kernel_blocker(device_type, dtype, import_error)
     untuned = None
     if not SPLITK_AUTO_VALIDATED:
         untuned = (

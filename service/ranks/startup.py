@@ -90,12 +90,17 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
     kernels = choose_kernels(cfg.fused_kernels, device.type, dtype_name, kernel_dim, fi_error)
     log.info("Fused kernels: %s (%s)", kernels.name, kernels.reason)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    # one import attempt for the Triton kernels' choices (a choice of "torch" never reads it)
+    wants_triton = device.type == "cuda" and any(
+        k != "torch" for k in (cfg.gate_up_kernel, cfg.rope_store_kernel, cfg.splitk_norm_kernel)
+    )
+    triton_error = triton_import_error() if wants_triton else None
     gate_up = choose_gate_up(
         cfg.gate_up_kernel,
         device.type,
         dtype_name,
         capability,
-        triton_import_error() if device.type == "cuda" and cfg.gate_up_kernel != "torch" else None,
+        triton_error,
         # the dense MLP's shard (DeepSeek's shared experts, narrower, fall back per call)
         shape_blocker(arch.hidden_size, arch.intermediate_size // tp.world_size, dtype.itemsize),
     )
@@ -106,9 +111,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         dtype_name,
         arch.head_dim,
         kernels.name,
-        triton_import_error()
-        if device.type == "cuda" and cfg.rope_store_kernel != "torch"
-        else None,
+        triton_error,
         mla=arch.mla is not None,
     )
     log.info("rope_store kernel: %s (%s)", rope_store.name, rope_store.reason)
@@ -118,9 +121,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         dtype_name,
         capability,
         tp.world_size,
-        triton_import_error()
-        if device.type == "cuda" and cfg.splitk_norm_kernel != "torch"
-        else None,
+        triton_error,
     )
     log.info("splitk_norm kernel: %s (%s)", splitk_norm.name, splitk_norm.reason)
     model = build_model(
