@@ -20,6 +20,7 @@ numbers are not reported anywhere.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import statistics
@@ -385,6 +386,13 @@ def main() -> int:
         default="16,256,2048,8192",
         help="buckets whose kernels per forward are counted with the profiler ('' for none)",
     )
+    ap.add_argument(
+        "--stacks-every",
+        type=float,
+        default=0.0,
+        help="while capturing, print every thread's Python stack to stderr every this many "
+        "seconds (0: never): where a slow capture spends its time",
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp())
@@ -437,7 +445,14 @@ def main() -> int:
             t0 = time.perf_counter()
             mem0 = torch.cuda.memory_reserved() if worker.device.type == "cuda" else 0
             free0 = torch.cuda.mem_get_info()[0] if worker.device.type == "cuda" else 0
-            stats = [worker.capture("prefill", b) for b in sorted(plan.bucket_sizes, reverse=True)]
+            if args.stacks_every > 0:
+                faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
+            stats = []
+            for b in sorted(plan.bucket_sizes, reverse=True):
+                tb = time.perf_counter()
+                stats.append(worker.capture("prefill", b))
+                print(f"captured {backend} {b}: {time.perf_counter() - tb:.2f} s", flush=True)
+            faulthandler.cancel_dump_traceback_later()
             total_s = time.perf_counter() - t0
             extra = (free0 - torch.cuda.mem_get_info()[0]) if worker.device.type == "cuda" else 0
             failed = [str(s) for s in stats if not isinstance(s, CaptureStat)]

@@ -130,9 +130,8 @@ class EngineConfig:
     # fused kernels (service.model.rope_store_triton), else the rotary kernel, then the store
     rope_store_kernel: GateUpName = "auto"
     # o_proj and down split over K, their partials summed by the add-RMSNorm that follows: "auto"
-    # will take the Triton kernel on sm90 with one rank once it is validated in the model on a GPU
-    # (service.ranks.select.SPLITK_AUTO_VALIDATED; service.model.splitk_policy says at which
-    # token counts); until then "triton" asks for it; else cuBLAS's projection, then the norm
+    # takes the Triton kernel on sm90 with one rank (service.model.splitk_policy says at which
+    # token counts), else cuBLAS's projection, then the norm
     splitk_norm_kernel: GateUpName = "auto"
 
     def __post_init__(self) -> None:

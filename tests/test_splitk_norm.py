@@ -88,13 +88,7 @@ def test_the_reference_sum_norm_matches_the_projection_then_the_add_norm():
     torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
 
 
-def test_who_may_choose_the_kernel_and_why(monkeypatch):
-    import service.ranks.select as select
-
-    pending = choose_splitk_norm("auto", "cuda", "bfloat16", (9, 0), 1, None)
-    assert pending.name == "torch" and "not yet validated" in pending.reason
-    assert "--splitk-norm-kernel triton" in pending.reason
-    monkeypatch.setattr(select, "SPLITK_AUTO_VALIDATED", True)  # once its GPU A/B has passed
+def test_who_may_choose_the_kernel_and_why():
     sm90 = choose_splitk_norm("auto", "cuda", "bfloat16", (9, 0), 1, None)
     assert sm90.name == "triton" and "sm90" in sm90.reason
     cpu = choose_splitk_norm("auto", "cpu", "float32", None, 1, None)

@@ -193,9 +193,6 @@ def choose_rope_store(
 
 # the split-K slices were measured on Hopper (H200); elsewhere ask for it by name
 SPLITK_AUTO_ARCH = 9
-# auto takes the kernel once its GPU tests and an A/B inside the model's graphs have passed; until
-# then it runs only when asked for (docs/benchmarks.md, session 36: the probe alone was measured)
-SPLITK_AUTO_VALIDATED = False
 
 
 def choose_splitk_norm(
@@ -218,12 +215,7 @@ def choose_splitk_norm(
     else:
         blocker = triton_kernel_blocker(device_type, dtype, import_error)
     untuned = None
-    if not SPLITK_AUTO_VALIDATED:
-        untuned = (
-            "the kernel is not yet validated inside the model on a GPU (its probe is measured, "
-            f"its graph A/B is not); pass {flag} triton to try it"
-        )
-    elif capability is not None and capability[0] != SPLITK_AUTO_ARCH:
+    if capability is not None and capability[0] != SPLITK_AUTO_ARCH:
         untuned = (
             f"the split-K slices are measured on sm90 only (this device is sm{_sm(capability)}); "
             f"pass {flag} triton to try it"
