@@ -17,11 +17,15 @@ the split):
   256), none at 512 (9.48 against 9.60).
 
 Past 512 rows cuBLAS's tiles fill the GPU and the partials' extra traffic (S x rows x N x 4
-bytes) costs more than the reduce kernel saved.
+bytes) costs more than the reduce kernel saved. Below 16 rows (decode batches of 1-15) nothing
+was measured: there the projection reads its weight once whatever the tiling, cuBLAS runs a
+GEMV-shaped kernel, and a batched GEMM of 1-15 rows per slice may not keep up with it, so those
+stay cuBLAS's until measured.
 """
 
 from __future__ import annotations
 
+MIN_ROWS = 16  # the fewest rows measured faster split (decode batches below it keep cuBLAS)
 MAX_ROWS = 512  # no split past this many rows (service.model.llama's MLP chunks are larger)
 WIDE_K = 4096  # a reduction this long or longer (down) takes more slices than a short one
 MAX_N = 16384  # the norm kernel holds one row of N float32 in registers
@@ -30,7 +34,7 @@ MAX_N = 16384  # the norm kernel holds one row of N float32 in registers
 def slices(rows: int, k: int, n: int) -> int:
     """K-slices for a (rows, K) x (K, N) projection whose output feeds an add-RMSNorm; 1: do
     not split (cuBLAS's GEMM, then the norm)."""
-    if rows < 1 or rows > MAX_ROWS or n > MAX_N:
+    if rows < MIN_ROWS or rows > MAX_ROWS or n > MAX_N:
         return 1
     small = rows <= 256
     want = (4 if small else 2) if k >= WIDE_K else (2 if small else 1)
