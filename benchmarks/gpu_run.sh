@@ -10,7 +10,7 @@
 #     typing-extensions
 # and name .gpuw in .git/info/exclude):
 #
-#   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, serveprof, serveprof-uv,
+#   bash benchmarks/gpu_run.sh tests decode serve      # or: prefill, decode-ab, serveprof, serveprof-uv,
 #                                                      # deepseek (V2-Lite shapes; no FlashInfer
 #                                                      # needed: warm-up skipped with NO_WARMUP=1),
 #                                                      # serve-si (SI=seconds: switch interval),
@@ -81,6 +81,16 @@ for what in "$@"; do
       # DECODE_ARGS: more arguments, e.g. "--gate-up-kernel torch" for the other arm of an A/B
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \
         --context 512 --iters 50 --profile 1 ${DECODE_ARGS:-} --out "$RES/decode.json" ;;
+    decode-ab)
+      # decode steps with each arm's arguments, one process each (DECODE_OLD_ARGS /
+      # DECODE_NEW_ARGS, e.g. DECODE_OLD_ARGS="--splitk-norm-kernel torch": the split-K norm's
+      # decode A/B); DECODE_BATCHES: the batch sizes
+      for arm in old new; do
+        ARGS=${DECODE_NEW_ARGS:-}; [ $arm = old ] && ARGS=${DECODE_OLD_ARGS:-}
+        TAIL=14 step decode_$arm 240 python3 benchmarks/decode_step.py \
+          --batches "${DECODE_BATCHES:-1,8,16,32,64}" --context 512 --iters 50 $ARGS \
+          --out "$RES/decode_$arm.json"
+      done ;;
     serve|serve-si|serveprof|serveprof-uv)
       # serveprof: concurrency 32 only, the server under benchmarks/host_profile.py; serveprof-uv:
       # the same with uvloop and httptools (wheels carried in .uvw) importable, so uvicorn's
