@@ -175,6 +175,45 @@ def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monk
             assert n and n % (2 * layers) == 0, at_capture
 
 
+def test_decode_steps_split_from_16_requests_and_not_below(monkeypatch):
+    """CPU, float32, eager decode with the torch reference behind the real slicing: 16 requests
+    decode through the sum (their steps' 16 rows, every layer's o_proj and down), 4 requests
+    through cuBLAS's projection and the plain norm (the policy measured nothing below 16 rows);
+    the generated tokens are the plain route's either way."""
+    import service.ranks.startup as startup
+    from service.sampling import SamplingParams
+
+    calls: list[tuple[int, ...]] = []
+
+    def routed_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
+        k = Kernels()
+        k._splitk_norm = lambda parts, *a: (
+            calls.append(tuple(parts.shape)) or splitk.add_rms_norm(parts, *a)
+        )
+        return k
+
+    def generate(n: int) -> tuple[list[list[int]], int]:
+        """n requests' generated ids, and the sums a decode step makes (o_proj, down a layer)"""
+        e = Engine(EngineConfig(device="cpu", context_length=128, max_running_requests=16,
+                                kv_cache_memory_bytes=16 << 20,
+                                graph=GraphConfig(backend="eager")))  # fmt: skip
+        prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + i % 3)] for i in range(n)]
+        got = e.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        return [o.output_ids for o in got], 2 * len(e.executor.worker.model.layers)
+
+    plain = {n: generate(n)[0] for n in (16, 4)}
+    monkeypatch.setattr(startup, "make_kernels", routed_kernels)
+    for n in (16, 4):
+        calls.clear()
+        ids, sums_a_step = generate(n)
+        assert ids == plain[n]
+        decode = [c for c in calls if c[1] == n]
+        if n == 16:  # two decode steps after the prefill's first token
+            assert len(decode) == 2 * sums_a_step, calls
+        else:
+            assert not decode and all(rows >= MIN_ROWS for _, rows, _ in calls), calls
+
+
 # ---- CUDA ---------------------------------------------------------------------------------------
 def _needs_triton() -> None:
     pytest.importorskip("triton", reason="needs triton")
