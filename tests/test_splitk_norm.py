@@ -123,6 +123,20 @@ def test_server_info_reports_the_choice_with_its_reason():
     assert "CUDA device" in info["splitk_norm_kernel"]["reason"]
 
 
+def recording_kernels(calls: list[tuple[int, ...]]):
+    """A stand-in for service.ranks.startup.make_kernels: the torch kernels, with the reference
+    summing norm behind the real split-K route, each call's partials shape appended to calls."""
+
+    def make(name, fused_gate_up=False, rope_store=False, splitk_norm=False) -> Kernels:
+        k = Kernels()
+        k._splitk_norm = lambda parts, *a: (
+            calls.append(tuple(parts.shape)) or splitk.add_rms_norm(parts, *a)
+        )
+        return k
+
+    return make
+
+
 @pytest.mark.parametrize("backend", ["eager", "full", "breakable", "tc_piecewise"])
 def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monkeypatch):
     """CPU, float32, the torch reference standing in for the Triton kernel behind the real
@@ -134,18 +148,8 @@ def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monk
     import service.ranks.startup as startup
 
     calls: list[tuple[int, ...]] = []
-
-    def counting_norm(parts, residual, weight, eps):
-        calls.append(tuple(parts.shape))
-        return splitk.add_rms_norm(parts, residual, weight, eps)
-
-    def routed_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
-        k = Kernels()
-        k._splitk_norm = counting_norm
-        return k
-
     plain = small_engine(backend, "cpu")
-    monkeypatch.setattr(startup, "make_kernels", routed_kernels)
+    monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls))
     routed = small_engine(backend, "cpu")
     at_capture = list(calls)
     layers = len(routed.executor.worker.model.layers)
@@ -185,13 +189,6 @@ def test_decode_steps_split_from_16_requests_and_not_below(monkeypatch):
 
     calls: list[tuple[int, ...]] = []
 
-    def routed_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
-        k = Kernels()
-        k._splitk_norm = lambda parts, *a: (
-            calls.append(tuple(parts.shape)) or splitk.add_rms_norm(parts, *a)
-        )
-        return k
-
     def generate(n: int) -> tuple[list[list[int]], int]:
         """n requests' generated ids, and the sums a decode step makes (o_proj, down a layer)"""
         e = Engine(EngineConfig(device="cpu", context_length=128, max_running_requests=16,
@@ -202,7 +199,7 @@ def test_decode_steps_split_from_16_requests_and_not_below(monkeypatch):
         return [o.output_ids for o in got], 2 * len(e.executor.worker.model.layers)
 
     plain = {n: generate(n)[0] for n in (16, 4)}
-    monkeypatch.setattr(startup, "make_kernels", routed_kernels)
+    monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls))
     for n in (16, 4):
         calls.clear()
         ids, sums_a_step = generate(n)
@@ -309,13 +306,6 @@ def test_deepseeks_dense_layer_routes_down_through_the_summing_norm(backend, tmp
     make_deepseek_v2(tmp_path)
     calls: list[tuple[int, ...]] = []
 
-    def routed_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
-        k = Kernels()
-        k._splitk_norm = lambda parts, *a: (
-            calls.append(tuple(parts.shape)) or splitk.add_rms_norm(parts, *a)
-        )
-        return k
-
     def engine() -> Engine:
         e = Engine(EngineConfig(model_path=str(tmp_path), dtype="float32", device="cpu",
                                 context_length=128, max_running_requests=4,
@@ -327,7 +317,7 @@ def test_deepseeks_dense_layer_routes_down_through_the_summing_norm(backend, tmp
     outs = []
     for routed in (False, True):
         if routed:
-            monkeypatch.setattr(startup, "make_kernels", routed_kernels)
+            monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls))
         calls.clear()
         e = engine()  # a graph backend captures its buckets here, through the route
         greedy = SamplingParams(max_new_tokens=3, ignore_eos=True)
