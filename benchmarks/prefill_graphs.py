@@ -449,11 +449,13 @@ def main() -> int:
             if args.stacks_every > 0:
                 faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
             stats = []
-            for b in sorted(plan.bucket_sizes, reverse=True):
-                tb = time.perf_counter()
-                stats.append(worker.capture("prefill", b))
-                print(f"captured {backend} {b}: {time.perf_counter() - tb:.2f} s", flush=True)
-            faulthandler.cancel_dump_traceback_later()
+            try:
+                for b in sorted(plan.bucket_sizes, reverse=True):
+                    tb = time.perf_counter()
+                    stats.append(worker.capture("prefill", b))
+                    print(f"captured {backend} {b}: {time.perf_counter() - tb:.2f} s", flush=True)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
             total_s = time.perf_counter() - t0
             extra = (free0 - torch.cuda.mem_get_info()[0]) if worker.device.type == "cuda" else 0
             failed = [str(s) for s in stats if not isinstance(s, CaptureStat)]

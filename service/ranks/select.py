@@ -191,7 +191,8 @@ def choose_rope_store(
                   "fused kernels")  # fmt: skip
 
 
-# the split-K slices were measured on Hopper (H200); elsewhere ask for it by name
+# the split-K slices were measured on Hopper (the probe on an H200, the graphs' A/B on an H100,
+# docs/benchmarks.md sessions 36-37); elsewhere ask for it by name
 SPLITK_AUTO_ARCH = 9
 
 
