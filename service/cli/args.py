@@ -193,8 +193,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         default="auto",
         help="o_proj and down split over K, summed by the add-RMSNorm after them: triton (a Triton "
         "kernel, CUDA with --tp 1, at the token counts where it measured faster), torch (cuBLAS's "
-        "projection, then the norm), auto (torch until the kernel is validated in the model on a "
-        "GPU)",
+        "projection, then the norm), auto (triton on sm90 with --tp 1 and triton installed, else "
+        "torch)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: local)")
