@@ -1,9 +1,12 @@
-"""Prefill batches and a small engine the graph-runner and kernel tests share."""
+"""Prefill batches and a small engine the graph-runner and kernel tests share; the kernel flags'
+path from the command line to the config and to /server_info."""
 
 from __future__ import annotations
 
+import argparse
 import random
 
+from service.cli.args import add_engine_arguments, engine_config_from_args
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
@@ -31,3 +34,18 @@ def live_batch(worker, lens: tuple[int, ...], seed: int | None = None) -> Forwar
     layout = BatchLayout(ForwardMode.EXTEND, tuple(range(len(lens))), (0,) * len(lens), lens)
     ids = [rng.randrange(384) for _ in range(sum(lens))]
     return ForwardBatch.build(layout, ids, slots, worker.device)
+
+
+def engine_flags(*argv: str) -> EngineConfig:
+    """The engine config the command line ``argv`` gives (argparse exits on a bad choice)."""
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    return engine_config_from_args(p.parse_args(list(argv)))
+
+
+def cpu_server_info() -> dict:
+    """/server_info's resolved config of a small eager CPU engine (every kernel choice on its
+    CPU fallback, with the reason)."""
+    e = Engine(EngineConfig(device="cpu", context_length=64, kv_cache_memory_bytes=8 << 20,
+                            graph=GraphConfig(backend="eager")))  # fmt: skip
+    return e.resolved.to_json()

@@ -5,19 +5,17 @@ op inside a compiled piece."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.cli.args import add_engine_arguments, engine_config_from_args
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.errors import ConfigError
 from service.model.gate_up_tiles import LARGE_MIN, SMALL_MAX, shape_blocker, tile_for
 from service.ranks.select import choose_gate_up
+from tests.batches import cpu_server_info, engine_flags
 
 H100_SMEM = 227 * 1024  # bytes of shared memory a block may use on sm90
 SM90 = (9, 0)
@@ -75,16 +73,10 @@ def test_gate_up_choice_says_why_and_refuses_what_cannot_run():
 
 
 def test_the_flag_reaches_the_config_and_server_info_reports_the_choice():
-    p = argparse.ArgumentParser()
-    add_engine_arguments(p)
-    assert engine_config_from_args(p.parse_args(["--gate-up-kernel", "torch"])).gate_up_kernel == (
-        "torch"
-    )
+    assert engine_flags("--gate-up-kernel", "torch").gate_up_kernel == "torch"
     with pytest.raises(SystemExit):
-        p.parse_args(["--gate-up-kernel", "cublas"])
-    e = Engine(EngineConfig(device="cpu", context_length=64, kv_cache_memory_bytes=8 << 20,
-                            graph=GraphConfig(backend="eager")))  # fmt: skip
-    info = e.resolved.to_json()
+        engine_flags("--gate-up-kernel", "cublas")
+    info = cpu_server_info()
     assert info["gate_up_kernel"]["name"] == "torch"
     assert "CUDA device" in info["gate_up_kernel"]["reason"]
 

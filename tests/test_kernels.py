@@ -16,6 +16,7 @@ from service.errors import ConfigError
 from service.model.kernels import Kernels
 from service.ranks.select import choose_kernels
 from service.sampling import SamplingParams
+from tests.batches import cpu_server_info
 
 GOLDEN = Path(__file__).parent / "data" / "builtin_golden.json"
 
@@ -51,9 +52,7 @@ def test_kernel_choice_says_why_and_refuses_what_cannot_run():
 
 
 def test_server_info_reports_the_fused_kernels_next_to_attention():
-    e = Engine(EngineConfig(device="cpu", context_length=64, kv_cache_memory_bytes=8 << 20,
-                            graph=GraphConfig(backend="eager")))  # fmt: skip
-    info = e.resolved.to_json()
+    info = cpu_server_info()
     assert info["fused_kernels"]["name"] == "torch"
     assert "CUDA device" in info["fused_kernels"]["reason"]
     assert info["attention_backend"]["name"] == "torch"

@@ -5,22 +5,18 @@ against the model without it, eager and replayed."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from service.buckets import decide_replay
-from service.cli.args import add_engine_arguments, engine_config_from_args
-from service.config import EngineConfig, GraphConfig
-from service.engine import Engine
+from service.config import EngineConfig
 from service.errors import ConfigError
 from service.model.kernels import Kernels
 from service.model.rope_store_policy import block_tokens
 from service.ranks.select import choose_rope_store
-from tests.batches import live_batch, small_engine
+from tests.batches import cpu_server_info, engine_flags, live_batch, small_engine
 
 
 @given(st.integers(min_value=1, max_value=100_000))
@@ -56,15 +52,10 @@ def test_the_choice_says_why_and_refuses_what_cannot_run():
 
 
 def test_the_flag_reaches_the_config_and_server_info_reports_the_choice():
-    p = argparse.ArgumentParser()
-    add_engine_arguments(p)
-    got = engine_config_from_args(p.parse_args(["--rope-store-kernel", "torch"]))
-    assert got.rope_store_kernel == "torch"
+    assert engine_flags("--rope-store-kernel", "torch").rope_store_kernel == "torch"
     with pytest.raises(SystemExit):
-        p.parse_args(["--rope-store-kernel", "cuda"])
-    e = Engine(EngineConfig(device="cpu", context_length=64, kv_cache_memory_bytes=8 << 20,
-                            graph=GraphConfig(backend="eager")))  # fmt: skip
-    info = e.resolved.to_json()
+        engine_flags("--rope-store-kernel", "cuda")
+    info = cpu_server_info()
     assert info["rope_store_kernel"]["name"] == "torch"
     assert "CUDA device" in info["rope_store_kernel"]["reason"]
 

@@ -6,8 +6,6 @@ against the model without it, eager and replayed."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 from hypothesis import given
@@ -15,7 +13,6 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from service.buckets import decide_replay
-from service.cli.args import add_engine_arguments, engine_config_from_args
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.errors import ConfigError
@@ -24,7 +21,7 @@ from service.model.kernels import Kernels
 from service.model.llama import MLP_TOKEN_CHUNK
 from service.model.splitk_policy import MAX_ROWS, MIN_ROWS, slices
 from service.ranks.select import choose_splitk_norm
-from tests.batches import live_batch, small_engine
+from tests.batches import cpu_server_info, engine_flags, live_batch, small_engine
 
 QWEN_H, QWEN_I = 1536, 8960  # Qwen2.5-1.5B: o_proj (H, H), down (H, I); the measured shapes
 
@@ -107,18 +104,13 @@ def test_who_may_choose_the_kernel_and_why():
         choose_splitk_norm("triton", "cuda", "bfloat16", (9, 0), 4, None)
     with pytest.raises(ConfigError, match="unsupported splitk_norm kernel 'cutlass'"):
         EngineConfig(splitk_norm_kernel="cutlass")
-    p = argparse.ArgumentParser()
-    add_engine_arguments(p)
-    got = engine_config_from_args(p.parse_args(["--splitk-norm-kernel", "torch"]))
-    assert got.splitk_norm_kernel == "torch"
+    assert engine_flags("--splitk-norm-kernel", "torch").splitk_norm_kernel == "torch"
     with pytest.raises(SystemExit):
-        p.parse_args(["--splitk-norm-kernel", "cublas"])
+        engine_flags("--splitk-norm-kernel", "cublas")
 
 
 def test_server_info_reports_the_choice_with_its_reason():
-    e = Engine(EngineConfig(device="cpu", context_length=64, kv_cache_memory_bytes=8 << 20,
-                            graph=GraphConfig(backend="eager")))  # fmt: skip
-    info = e.resolved.to_json()
+    info = cpu_server_info()
     assert info["splitk_norm_kernel"]["name"] == "torch"
     assert "CUDA device" in info["splitk_norm_kernel"]["reason"]
 
