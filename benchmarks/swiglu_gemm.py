@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,11 +92,12 @@ def host_us(fn, calls: int = 200) -> float:
     return statistics.median(samples)
 
 
-def half_tails(ms: list[int], w: torch.Tensor, out_path: str | None) -> int:
-    """Whole tiles against half tiles in the last stripes (``--half-tails``)."""
+def half_tails(ms: list[int], w: torch.Tensor, silu_mul: Callable, out_path: str | None) -> int:
+    """Whole tiles against half tiles in the last stripes (``--half-tails``); below
+    ``LARGE_MIN`` tokens, where the service runs the pair, at the large tile all the same."""
     import triton
 
-    from service.model.gate_up_tiles import HALF_COST, half_stripes, makespan, tile_for
+    from service.model.gate_up_tiles import HALF_COST, LARGE_MIN, half_stripes, makespan, tile_for
     from service.model.gate_up_triton import fused
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -103,15 +105,14 @@ def half_tails(ms: list[int], w: torch.Tensor, out_path: str | None) -> int:
           f"HALF_COST {HALF_COST}", flush=True)  # fmt: skip
     rows = []
     for m in ms:
-        tile = tile_for(m)
-        if tile is None or tile.rows < 128:
-            print(f"m={m}: no whole tile of 128 rows or more at this size, skipped")
-            continue
+        tile = tile_for(max(m, LARGE_MIN))
         x = torch.randn(m, H, device=w.device, dtype=torch.bfloat16)
         whole = fused(x, w, tile, halves=0)
         stripes, per = triton.cdiv(m, tile.rows), triton.cdiv(I_, tile.cols)
         row = {"m": m, "tile": list(tile.__dict__.values()), "pick": half_stripes(m, I_, tile, sms),
-               "gemm": graph_us(lambda x=x: F.linear(x, w)), "us": {}, "model": {}}  # fmt: skip
+               "gemm": graph_us(lambda x=x: F.linear(x, w)),
+               "ref": graph_us(lambda x=x: silu_mul(F.linear(x, w))),
+               "us": {}, "model": {}}  # fmt: skip
         for s in [*range(min(stripes, 4) + 1), stripes]:
             got = fused(x, w, tile, halves=s)
             torch.cuda.synchronize()
@@ -129,8 +130,9 @@ def half_tails(ms: list[int], w: torch.Tensor, out_path: str | None) -> int:
         )
         rows.append(row)
         cost = row["half_cost"]
-        print(f"m={m} tile {row['tile']} cuBLAS GEMM alone {row['gemm']:.2f} us; policy "
-              f"picks {row['pick']}; a half tile costs {cost:.2f} of a whole")  # fmt: skip
+        print(f"m={m} tile {row['tile']}: cuBLAS GEMM alone {row['gemm']:.2f} us, with "
+              f"SiLU-and-mul {row['ref']:.2f}; policy picks {row['pick']}; a half tile costs "
+              f"{cost:.2f} of a whole")  # fmt: skip
         for s, us in row["us"].items():
             print(f"  halves {s:>3}: {us:8.2f} us ({us / row['us'][0]:.3f} of whole tiles), "
                   f"model {row['model'][s]:.2f} waves")  # fmt: skip
@@ -166,7 +168,7 @@ def main() -> int:
     if args.half_tails:
         torch.manual_seed(0)
         w = torch.randn(2 * I_, H, device="cuda", dtype=torch.bfloat16) * 0.02
-        return half_tails([int(v) for v in args.m.split(",")], w, args.out)
+        return half_tails([int(v) for v in args.m.split(",")], w, silu_mul, args.out)
     triton, run_ptr, make_tma, make_tmap, make_tma1 = kernels()
     print("torch", torch.__version__, "triton", triton.__version__, flush=True)
     dev = torch.device("cuda")
