@@ -17,11 +17,6 @@ Variants (device us per call inside one CUDA graph of 20 calls, ``gemm_shapes.gr
 - ``tmaws``: persistent with Triton's warp specialization;
 - ``tma1``: one (2 BN)-wide dot per step on a reordered weight (gate and up blocks interleaved).
 
-With ``--half-tails``, instead: the service's kernel at its tile for each token count with 0-4 of
-the last row stripes run as half tiles (and with every stripe halved, which gives a half tile's
-cost), beside the makespan ``service.model.gate_up_tiles`` predicts for each and the count it
-picks. At 2,048 tokens whole tiles leave the last of nine waves half empty.
-
 With ``--host``, also the host time of one call as the service makes it
 (``service.model.gate_up_triton.gate_up_silu``, kernel or pair by the token count) and of the pair
 alone: 200 calls queued back to back, no synchronisation inside, wall time per call. That is what
@@ -35,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,63 +86,11 @@ def host_us(fn, calls: int = 200) -> float:
     return statistics.median(samples)
 
 
-def half_tails(ms: list[int], w: torch.Tensor, silu_mul: Callable, out_path: str | None) -> int:
-    """Whole tiles against half tiles in the last stripes (``--half-tails``); below
-    ``LARGE_MIN`` tokens, where the service runs the pair, at the large tile all the same."""
-    import triton
-
-    from service.model.gate_up_tiles import HALF_COST, LARGE_MIN, half_stripes, makespan, tile_for
-    from service.model.gate_up_triton import fused
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"torch {torch.__version__} triton {triton.__version__}, {sms} SMs, "
-          f"HALF_COST {HALF_COST}", flush=True)  # fmt: skip
-    rows = []
-    for m in ms:
-        tile = tile_for(max(m, LARGE_MIN))
-        x = torch.randn(m, H, device=w.device, dtype=torch.bfloat16)
-        whole = fused(x, w, tile, halves=0)
-        stripes, per = triton.cdiv(m, tile.rows), triton.cdiv(I_, tile.cols)
-        row = {"m": m, "tile": list(tile.__dict__.values()), "pick": half_stripes(m, I_, tile, sms),
-               "gemm": graph_us(lambda x=x: F.linear(x, w)),
-               "ref": graph_us(lambda x=x: silu_mul(F.linear(x, w))),
-               "us": {}, "model": {}}  # fmt: skip
-        for s in [*range(min(stripes, 4) + 1), stripes]:
-            got = fused(x, w, tile, halves=s)
-            torch.cuda.synchronize()
-            if not torch.equal(got, whole):  # the same tiles' sums: the same bits
-                print(f"m={m} halves={s}: differs from whole tiles by "
-                      f"{float((got.float() - whole.float()).abs().max()):.3g}")  # fmt: skip
-            row["us"][s] = graph_us(lambda x=x, s=s, t=tile: fused(x, w, t, halves=s))
-            half_rows = m - (stripes - s) * tile.rows
-            half = triton.cdiv(half_rows, tile.rows // 2) * per if s else 0
-            row["model"][s] = makespan((stripes - s) * per, half, sms)
-        # a half tile's cost from the all-halves run: its waves against the whole tiles' waves
-        all_half = triton.cdiv(m, tile.rows // 2) * per
-        row["half_cost"] = (row["us"][stripes] / triton.cdiv(all_half, sms)) / (
-            row["us"][0] / triton.cdiv(stripes * per, sms)
-        )
-        rows.append(row)
-        cost = row["half_cost"]
-        print(f"m={m} tile {row['tile']}: cuBLAS GEMM alone {row['gemm']:.2f} us, with "
-              f"SiLU-and-mul {row['ref']:.2f}; policy picks {row['pick']}; a half tile costs "
-              f"{cost:.2f} of a whole")  # fmt: skip
-        for s, us in row["us"].items():
-            print(f"  halves {s:>3}: {us:8.2f} us ({us / row['us'][0]:.3f} of whole tiles), "
-                  f"model {row['model'][s]:.2f} waves")  # fmt: skip
-    if out_path:
-        Path(out_path).write_text(json.dumps({"rows": rows, "sms": sms, "torch": torch.__version__,
-                                              "triton": triton.__version__}, indent=2))  # fmt: skip
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", default="16,256,1024,2048,4096,8192")
     ap.add_argument("--variants", default="tma,tmap,tmaws")
     ap.add_argument("--host", action="store_true", help="host us per call, service vs pair")
-    ap.add_argument("--half-tails", action="store_true",
-                    help="the service's tile with 0-4 last stripes as half tiles")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -165,10 +107,6 @@ def main() -> int:
             g, u = t.chunk(2, dim=-1)
             return F.silu(g) * u
 
-    if args.half_tails:
-        torch.manual_seed(0)
-        w = torch.randn(2 * I_, H, device="cuda", dtype=torch.bfloat16) * 0.02
-        return half_tails([int(v) for v in args.m.split(",")], w, silu_mul, args.out)
     triton, run_ptr, make_tma, make_tmap, make_tma1 = kernels()
     print("torch", torch.__version__, "triton", triton.__version__, flush=True)
     dev = torch.device("cuda")

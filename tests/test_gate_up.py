@@ -5,8 +5,6 @@ op inside a compiled piece."""
 
 from __future__ import annotations
 
-import heapq
-
 import pytest
 import torch
 from hypothesis import given
@@ -15,16 +13,7 @@ from hypothesis import strategies as st
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.errors import ConfigError
-from service.model.gate_up_tiles import (
-    HALF_COST,
-    LARGE_MIN,
-    MAX_HALF_STRIPES,
-    SMALL_MAX,
-    half_stripes,
-    makespan,
-    shape_blocker,
-    tile_for,
-)
+from service.model.gate_up_tiles import LARGE_MIN, SMALL_MAX, shape_blocker, tile_for
 from service.ranks.select import choose_gate_up
 from tests.batches import cpu_server_info, engine_flags
 
@@ -50,50 +39,6 @@ def test_fused_tiles_cover_exactly_the_measured_winning_sizes(tokens, captured):
     # accumulators of rows x cols spread over the threads (a table entry that cannot run fails)
     assert tile.stages * (tile.rows + 2 * tile.cols) * tile.depth * 2 <= H100_SMEM
     assert 2 * tile.rows * tile.cols // (tile.warps * 32) <= 128
-
-
-def simulated_makespan(whole: int, half: int, sms: int, half_cost: float) -> float:
-    """The reference: programs in order, each to the SM that frees first, one SM at a time."""
-    free = [0.0] * sms
-    for cost in [1.0] * whole + [half_cost] * half:
-        heapq.heapreplace(free, free[0] + cost)
-    return max(free)
-
-
-@given(st.integers(0, 400), st.integers(0, 400), st.integers(1, 140),
-       st.sampled_from([0.5, 0.55, 0.6, 0.75]))  # fmt: skip
-def test_makespan_is_the_in_order_schedule_of_the_grid(whole, half, sms, half_cost):
-    """Checked against a step-by-step simulation of the block scheduler's model: a closed form
-    that dropped the SMs still busy in the last whole wave, or let half tiles start before the
-    whole ones, fails."""
-    assert makespan(whole, half, sms, half_cost) == pytest.approx(
-        simulated_makespan(whole, half, sms, half_cost)
-    )
-
-
-@given(st.integers(1, 20_000), st.sampled_from([8960, 4480, 1408, 10944]),
-       st.sampled_from([132, 114, 78, 148]))  # fmt: skip
-def test_half_stripes_are_taken_only_where_the_grid_ends_sooner(tokens, cols, sms):
-    tile = tile_for(max(tokens, LARGE_MIN))
-    s = half_stripes(tokens, cols, tile, sms)
-    stripes, per = -(-tokens // tile.rows), -(-cols // tile.cols)
-    assert 0 <= s <= min(stripes, MAX_HALF_STRIPES)
-    whole_only = makespan(stripes * per, 0, sms)
-    if s:
-        half = -(-(tokens - (stripes - s) * tile.rows) // (tile.rows // 2)) * per
-        assert makespan((stripes - s) * per, half, sms) < whole_only
-    assert half_stripes(tokens, cols, tile_for(64), sms) == 0  # 64-row tiles have no halves
-
-
-def test_half_stripes_where_the_h100_and_h200_grids_end_partly_empty():
-    """Qwen2.5-1.5B's gate_up on 132 SMs: whole tiles make 8.48 waves at 2,048 tokens (a last
-    stripe of half tiles fills the ninth), 16.97 at 4,096 and 33.9 at 8,192 (nothing to fill)."""
-    tile = tile_for(LARGE_MIN)
-    assert half_stripes(2048, 8960, tile, 132) >= 1
-    assert half_stripes(4096, 8960, tile, 132) == 0
-    assert half_stripes(8192, 8960, tile, 132) == 0
-    assert makespan(15 * 70, 2 * 70, 132) < makespan(16 * 70, 0, 132) == 9
-    assert 0.5 <= HALF_COST < 1
 
 
 def test_shapes_the_kernel_cannot_take_are_named():
@@ -178,9 +123,6 @@ def test_fused_gate_up_matches_float32_and_runs_where_the_policy_says(tokens, hi
     kernel = gt.fused(x, w, tile)
     assert kernel.shape == (tokens, inter) and kernel.dtype == torch.bfloat16
     assert rel_err(kernel, reference(x, w)) < FUSED_TOL
-    if tile.rows >= 128:  # the last stripes as half tiles, up to every stripe: the same tiles'
-        for halves in (0, 1, 2, -(-tokens // tile.rows)):  # sums, so the same bits
-            assert torch.equal(gt.fused(x, w, tile, halves=halves), kernel), halves
     gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
     pair = torch.nn.functional.silu(gate) * up
     assert rel_err(pair, reference(x, w)) < FUSED_TOL

@@ -18,117 +18,67 @@ Imported only where the rank chose it (service.ranks.select.choose_gate_up): it 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from service.model.gate_up_tiles import Tile, half_stripes, shape_blocker, tile_for
+from service.model.gate_up_tiles import Tile, shape_blocker, tile_for
 
 OP_NAME = "capture_service::gate_up_silu"
 
 
 @triton.jit
-def _tile(x_desc, w_desc, out_desc, row, col, N, K: tl.constexpr, BM: tl.constexpr,
-          BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """One program's tile: rows [row, row + BM) by output columns [col, col + BN)."""
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        a = x_desc.load([row, k])
-        # the last gate tile may run into up's rows when BN does not divide N: those columns
-        # are past N, and the store clips them; loads past 2N read zeros
-        acc_g = tl.dot(a, w_desc.load([col, k]).T, acc_g)
-        acc_u = tl.dot(a, w_desc.load([N + col, k]).T, acc_u)
-    y = acc_g * tl.sigmoid(acc_g) * acc_u
-    out_desc.store([row, col], y.to(out_desc.dtype))
-
-
-@triton.jit
-def _grouped(pid, rows, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    # grouped order: GROUP_M row tiles walk the columns together, so a weight tile read by one
-    # is still in L2 for the next
-    width = GROUP_M * tl.cdiv(N, BN)
-    first = (pid // width) * GROUP_M
-    size = tl.minimum(tl.cdiv(rows, BM) - first, GROUP_M)
-    return first + (pid % width) % size, (pid % width) // size
-
-
-@triton.jit
 def _gate_up_silu_kernel(
-    x_desc,  # (M, K), blocks of (BM, BK)
-    xh_desc,  # the same, blocks of (BM // 2, BK): the half tiles' (x_desc where there are none)
+    x_desc,  # (M, K)
     w_desc,  # (2N, K): gate rows [0, N), up rows [N, 2N)
-    out_desc,  # (M, N), blocks of (BM, BN)
-    outh_desc,  # the same, blocks of (BM // 2, BN)
+    out_desc,  # (M, N)
     M,
     N,
-    HALF_FROM,  # rows from here run as half tiles, after every whole tile
     K: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr,  # whether any rows run as half tiles
 ):
+    # grouped order: GROUP_M row tiles walk the columns together, so a weight tile read by one
+    # is still in L2 for the next
     pid = tl.program_id(0)
-    if HALVES:
-        # programs are issued in order as SMs free up: the whole tiles first, then the half
-        # tiles fill the last wave's idle SMs (gate_up_tiles.half_stripes)
-        whole = tl.cdiv(HALF_FROM, BM) * tl.cdiv(N, BN)
-        if pid < whole:
-            pm, pn = _grouped(pid, HALF_FROM, N, BM, BN, GROUP_M)
-            _tile(x_desc, w_desc, out_desc, pm * BM, pn * BN, N, K, BM, BN, BK)
-        else:
-            pm, pn = _grouped(pid - whole, M - HALF_FROM, N, BM // 2, BN, GROUP_M)
-            _tile(xh_desc, w_desc, outh_desc, HALF_FROM + pm * (BM // 2), pn * BN, N, K,
-                  BM // 2, BN, BK)  # fmt: skip
-    else:
-        pm, pn = _grouped(pid, M, N, BM, BN, GROUP_M)
-        _tile(x_desc, w_desc, out_desc, pm * BM, pn * BN, N, K, BM, BN, BK)
+    width = GROUP_M * tl.cdiv(N, BN)
+    first = (pid // width) * GROUP_M
+    size = tl.minimum(tl.cdiv(M, BM) - first, GROUP_M)
+    pm = first + (pid % width) % size
+    pn = (pid % width) // size
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = x_desc.load([pm * BM, k])
+        # the last gate tile may run into up's rows when BN does not divide N: those columns
+        # are past N, and the store clips them; loads past 2N read zeros
+        acc_g = tl.dot(a, w_desc.load([pn * BN, k]).T, acc_g)
+        acc_u = tl.dot(a, w_desc.load([N + pn * BN, k]).T, acc_u)
+    y = acc_g * tl.sigmoid(acc_g) * acc_u
+    out_desc.store([pm * BM, pn * BN], y.to(out_desc.dtype))
 
 
-@functools.cache
-def _sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def fused(
-    x: torch.Tensor, weight: torch.Tensor, tile: Tile, halves: int | None = None
-) -> torch.Tensor:
-    """The kernel itself: x (T, H) contiguous, weight (2I, H) contiguous -> (T, I). ``halves``:
-    how many of the last row stripes run as half tiles (None: what gate_up_tiles.half_stripes
-    picks for this GPU's SM count)."""
+def fused(x: torch.Tensor, weight: torch.Tensor, tile: Tile) -> torch.Tensor:
+    """The kernel itself: x (T, H) contiguous, weight (2I, H) contiguous -> (T, I)."""
     m, k = x.shape
     n = weight.shape[0] // 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    stripes, per_stripe = triton.cdiv(m, tile.rows), triton.cdiv(n, tile.cols)
-    if halves is None:
-        halves = half_stripes(m, n, tile, _sms(x.device.index or 0))
-    halves = min(halves, stripes) if tile.rows >= 128 else 0
-    half_from = (stripes - halves) * tile.rows
-    half_tiles = triton.cdiv(m - half_from, tile.rows // 2) * per_stripe if halves else 0
-    grid = ((stripes - halves) * per_stripe + half_tiles,)
-    x_desc = TensorDescriptor.from_tensor(x, [tile.rows, tile.depth])
-    out_desc = TensorDescriptor.from_tensor(out, [tile.rows, tile.cols])
+    grid = (triton.cdiv(m, tile.rows) * triton.cdiv(n, tile.cols),)
     _gate_up_silu_kernel[grid](
-        x_desc,
-        TensorDescriptor.from_tensor(x, [tile.rows // 2, tile.depth]) if halves else x_desc,
+        TensorDescriptor.from_tensor(x, [tile.rows, tile.depth]),
         TensorDescriptor.from_tensor(weight, [tile.cols, tile.depth]),
-        out_desc,
-        TensorDescriptor.from_tensor(out, [tile.rows // 2, tile.cols]) if halves else out_desc,
+        TensorDescriptor.from_tensor(out, [tile.rows, tile.cols]),
         m,
         n,
-        half_from,
         k,
         BM=tile.rows,
         BN=tile.cols,
         BK=tile.depth,
         GROUP_M=tile.group,
-        HALVES=halves > 0,
         num_stages=tile.stages,
         num_warps=tile.warps,
     )
