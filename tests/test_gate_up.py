@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.errors import ConfigError
-from service.model.gate_up_tiles import LARGE_MIN, SMALL_MAX, shape_blocker, tile_for
+from service.model.gate_up_tiles import HUGE_MIN, LARGE_MIN, SMALL_MAX, shape_blocker, tile_for
 from service.ranks.select import choose_gate_up
 from tests.batches import cpu_server_info, engine_flags
 
@@ -39,6 +39,18 @@ def test_fused_tiles_cover_exactly_the_measured_winning_sizes(tokens, captured):
     # accumulators of rows x cols spread over the threads (a table entry that cannot run fails)
     assert tile.stages * (tile.rows + 2 * tile.cols) * tile.depth * 2 <= H100_SMEM
     assert 2 * tile.rows * tile.cols // (tile.warps * 32) <= 128
+
+
+def test_large_buckets_switch_to_the_tile_measured_fastest_there():
+    """The sweep's winners: the 4-stage, group-8 tile at 2,048 rows; from 4,096 the 3-stage,
+    group-16 one (docs/benchmarks.md, sessions 38 and 40). A table that lost the switch, or
+    moved it below 4,096 where it was not measured faster, fails."""
+    large, huge = tile_for(LARGE_MIN), tile_for(HUGE_MIN)
+    assert (large.stages, large.group) == (4, 8)
+    assert (huge.stages, huge.group) == (3, 16)
+    assert tile_for(HUGE_MIN - 1) == large and tile_for(8192) == huge
+    assert tile_for(HUGE_MIN, captured=False) == huge  # eager calls this large take it too
+    assert (huge.rows, huge.cols, huge.depth) == (large.rows, large.cols, large.depth)
 
 
 def test_shapes_the_kernel_cannot_take_are_named():
@@ -105,7 +117,7 @@ FUSED_TOL = 1e-2
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden,inter", [(1536, 8960), (256, 200)])
-@pytest.mark.parametrize("tokens", [1, 16, 37, 100, 128, 129, 2048, 2051])
+@pytest.mark.parametrize("tokens", [1, 16, 37, 100, 128, 129, 2048, 2051, 4097])
 def test_fused_gate_up_matches_float32_and_runs_where_the_policy_says(tokens, hidden, inter):
     """The kernel against a float32 reference, with an intermediate size that no column tile
     divides (200) and token counts that no row tile divides: a kernel that swapped gate and up,
