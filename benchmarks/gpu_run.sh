@@ -196,7 +196,8 @@ for what in "$@"; do
         --host --out "$RES/rope_store.json" ;;
     swiglu)  # gate_up GEMM + SiLU-and-mul: cuBLAS + FlashInfer against a fused Triton kernel
       TAIL=14 step swiglu 360 python3 benchmarks/swiglu_gemm.py --m "${SWIGLU_M:-16,32,64,128,256,512,1024,2048,4096,8192}" \
-        --variants "${SWIGLU_VARIANTS:-tma,tmap,tmaws}" ${SWIGLU_ARGS:-} --out "$RES/swiglu.json" ;;
+        --variants "${SWIGLU_VARIANTS:-tma,tmap,tmaws}" ${SWIGLU_CONFIGS:+--configs "$SWIGLU_CONFIGS"} \
+        ${SWIGLU_ARGS:-} --out "$RES/swiglu.json" ;;
   esac
 done
 [ -n "${SAVE_FICACHE:-}" ] && save_ficache

@@ -91,6 +91,9 @@ def main() -> int:
     ap.add_argument("--m", default="16,256,1024,2048,4096,8192")
     ap.add_argument("--variants", default="tma,tmap,tmaws")
     ap.add_argument("--host", action="store_true", help="host us per call, service vs pair")
+    ap.add_argument("--configs", default=None,
+                    help="the configs to sweep instead of the built-in lists, as "
+                         "'BM,BN,BK,stages,warps,group;...'")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -113,6 +116,11 @@ def main() -> int:
     torch.manual_seed(0)
     w = torch.randn(2 * I_, H, device=dev, dtype=torch.bfloat16) * 0.02
     variants = args.variants.split(",")
+    chosen = None
+    if args.configs:
+        chosen = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c]
+        if any(len(c) != 6 for c in chosen):
+            ap.error("--configs takes six integers per config: BM,BN,BK,stages,warps,group")
     rows = []
     for m in [int(v) for v in args.m.split(",")]:
         x = torch.randn(m, H, device=dev, dtype=torch.bfloat16)
@@ -123,7 +131,8 @@ def main() -> int:
         flops = 2 * m * H * 2 * I_
         for v in variants:
             best = None
-            for cfg in (SMALL if m <= 256 else []) + (CONFIGS if m >= 128 else []):
+            listed = (SMALL if m <= 256 else []) + (CONFIGS if m >= 128 else [])
+            for cfg in chosen or listed:
                 out = torch.empty(m, I_, device=dev, dtype=torch.bfloat16)
                 try:
                     if v == "ptr":
