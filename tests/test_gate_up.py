@@ -42,13 +42,14 @@ def test_fused_tiles_cover_exactly_the_measured_winning_sizes(tokens, captured):
 
 
 def test_large_buckets_switch_to_the_tile_measured_fastest_there():
-    """The sweep's winners: the 4-stage, group-8 tile at 2,048 rows; from 4,096 the 3-stage,
+    """The sweep's winners: the 4-stage, group-8 tile at 2,048 rows; from 3,072 the 3-stage,
     group-16 one (docs/benchmarks.md, sessions 38 and 40). A table that lost the switch, or
-    moved it below 4,096 where it was not measured faster, fails."""
+    moved it below 3,072 where it was not measured faster, fails."""
     large, huge = tile_for(LARGE_MIN), tile_for(HUGE_MIN)
     assert (large.stages, large.group) == (4, 8)
     assert (huge.stages, huge.group) == (3, 16)
     assert tile_for(HUGE_MIN - 1) == large and tile_for(8192) == huge
+    assert tile_for(2048) == large and HUGE_MIN == 3072
     assert tile_for(HUGE_MIN, captured=False) == huge  # eager calls this large take it too
     assert (huge.rows, huge.cols, huge.depth) == (large.rows, large.cols, large.depth)
 
