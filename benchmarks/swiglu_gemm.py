@@ -12,7 +12,9 @@ Variants (device us per call inside one CUDA graph of 20 calls, ``gemm_shapes.gr
 - ``ref``: ``F.linear`` then FlashInfer's ``silu_and_mul`` (torch's where FlashInfer is absent),
   what the model runs today; ``gemm`` is its GEMM alone;
 - ``ptr``: the fused kernel with pointer loads (Triton pipelines them itself);
-- ``tma``: the service's kernel (host-built tensor descriptors: TMA loads and store);
+- ``tma``: the service's kernel (host-built tensor descriptors: TMA loads and store; one
+  (2 BN)-wide dot per step through a (2, N, K) view of the weight);
+- ``tma2``: the same with two BN-wide dots per step (the service's kernel until session 40);
 - ``tmap``: the same, persistent (one program per SM walks the tiles);
 - ``tmaws``: persistent with Triton's warp specialization;
 - ``tma1``: one (2 BN)-wide dot per step on a reordered weight (gate and up blocks interleaved).
@@ -63,9 +65,15 @@ SMALL = [(16, 64, 128, 3, 4, 1), (16, 128, 128, 3, 4, 1), (16, 64, 64, 4, 4, 1),
 def kernels():
     import triton
 
-    from benchmarks.swiglu_kernels import make_tma, make_tma_one, make_tma_persistent, run_ptr
+    from benchmarks.swiglu_kernels import (
+        make_tma,
+        make_tma_one,
+        make_tma_persistent,
+        make_tma_two,
+        run_ptr,
+    )
 
-    return triton, run_ptr, make_tma, make_tma_persistent, make_tma_one
+    return triton, run_ptr, make_tma, make_tma_persistent, make_tma_one, make_tma_two
 
 
 def host_us(fn, calls: int = 200) -> float:
@@ -110,7 +118,7 @@ def main() -> int:
             g, u = t.chunk(2, dim=-1)
             return F.silu(g) * u
 
-    triton, run_ptr, make_tma, make_tmap, make_tma1 = kernels()
+    triton, run_ptr, make_tma, make_tmap, make_tma1, make_tma2 = kernels()
     print("torch", torch.__version__, "triton", triton.__version__, flush=True)
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -141,6 +149,8 @@ def main() -> int:
                         call = make_tma(x, w, out, *cfg)
                     elif v == "tma1":
                         call = make_tma1(x, w, out, *cfg)
+                    elif v == "tma2":
+                        call = make_tma2(x, w, out, *cfg)
                     else:
                         call = make_tmap(x, w, out, *cfg, ws=v == "tmaws")
                     got = call()

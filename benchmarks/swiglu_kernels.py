@@ -1,8 +1,8 @@
 """The other forms of the fused gate_up GEMM + SiLU-and-mul that ``swiglu_gemm.py`` measures
 against the service's kernel (service.model.gate_up_triton): pointer loads, a persistent grid
-(with or without warp specialization), one dot on an interleaved weight. Prototypes, none faster
-on the H200 (docs/benchmarks.md, session 29); module-level so that Triton resolves the helpers
-they share."""
+(with or without warp specialization), one dot on an interleaved weight, and the two-dot form the
+service ran until session 40. Prototypes, none faster on the H200 (docs/benchmarks.md, session
+29); module-level so that Triton resolves the helpers they share."""
 
 from __future__ import annotations
 
@@ -158,6 +158,46 @@ def make_tma_one(x, w, out, bm, bn, bk, stages, warps, group):
 
     def run():
         fused_tma_one[grid](
+            xd, wd, od, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=group,
+            num_stages=stages, num_warps=warps,
+        )  # fmt: skip
+        return out
+
+    return run
+
+
+@triton.jit
+def fused_tma_two(
+    xd,
+    wd,
+    od,
+    M,
+    N,
+    K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # the service's kernel before session 40: a gate load and dot, then an up load and dot
+    pm, pn = _tile(M, N, BM, BN, GROUP_M)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = xd.load([pm * BM, k])
+        acc_g = tl.dot(a, wd.load([pn * BN, k]).T, acc_g)
+        acc_u = tl.dot(a, wd.load([N + pn * BN, k]).T, acc_u)
+    y = acc_g * tl.sigmoid(acc_g) * acc_u
+    od.store([pm * BM, pn * BN], y.to(od.dtype))
+
+
+def make_tma_two(x, w, out, bm, bn, bk, stages, warps, group):
+    """The two-dot form (two loads of BN weight rows per step)."""
+    m, n, k, xd, wd, od = _descriptors(x, w, out, bm, bn, bk, bn)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+
+    def run():
+        fused_tma_two[grid](
             xd, wd, od, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=group,
             num_stages=stages, num_warps=warps,
         )  # fmt: skip
