@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from service.config import EngineConfig, GraphConfig
 from service.engine import Engine
 from service.errors import ConfigError
-from service.model.gate_up_tiles import HUGE_MIN, LARGE_MIN, SMALL_MAX, shape_blocker, tile_for
+from service.model.gate_up_tiles import LARGE_MIN, SMALL_MAX, shape_blocker, tile_for
 from service.ranks.select import choose_gate_up
 from tests.batches import cpu_server_info, engine_flags
 
@@ -41,17 +41,16 @@ def test_fused_tiles_cover_exactly_the_measured_winning_sizes(tokens, captured):
     assert 2 * tile.rows * tile.cols // (tile.warps * 32) <= 128
 
 
-def test_large_buckets_switch_to_the_tile_measured_fastest_there():
-    """The sweep's winners: the 4-stage, group-8 tile at 2,048 rows; from 3,072 the 3-stage,
-    group-16 one (docs/benchmarks.md, sessions 38 and 40). A table that lost the switch, or
-    moved it below 3,072 where it was not measured faster, fails."""
-    large, huge = tile_for(LARGE_MIN), tile_for(HUGE_MIN)
-    assert (large.stages, large.group) == (4, 8)
-    assert (huge.stages, huge.group) == (3, 16)
-    assert tile_for(HUGE_MIN - 1) == large and tile_for(8192) == huge
-    assert tile_for(2048) == large and HUGE_MIN == 3072
-    assert tile_for(HUGE_MIN, captured=False) == huge  # eager calls this large take it too
-    assert (huge.rows, huge.cols, huge.depth) == (large.rows, large.cols, large.depth)
+def test_large_buckets_take_the_tile_measured_fastest_there():
+    """From 2,048 rows the sweep's winner with the one-dot kernel: 3 stages, groups of 16 row
+    tiles (docs/benchmarks.md, session 40), eager or captured. A table that fell back to the
+    4-stage, group-8 tile it replaced, or let some large size take another, fails."""
+    large = tile_for(LARGE_MIN)
+    assert (large.rows, large.cols, large.depth, large.stages, large.warps, large.group) == (
+        128, 128, 64, 3, 8, 16,
+    )  # fmt: skip
+    for tokens in (LARGE_MIN, 3072, 4096, 8192, 40_000):
+        assert tile_for(tokens) == large and tile_for(tokens, captured=False) == large
 
 
 def test_shapes_the_kernel_cannot_take_are_named():

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 SMALL_MAX = 128  # the fused kernel up to this many tokens ...
 LARGE_MIN = 2048  # ... and from this many
-HUGE_MIN = 3072  # from here a shallower pipeline with wider row groups (_HUGE)
 
 
 @dataclass(frozen=True)
@@ -45,15 +44,14 @@ _SMALL = (
     (64, Tile(64, 64, 64, 4, 4, 1)),
     (128, Tile(128, 128, 64, 4, 8, 8)),
 )
-_LARGE = Tile(128, 128, 64, 4, 8, 8)
-# From 3,072 rows, 3 stages and groups of 16 row tiles: on an H100, 260.1 us against _LARGE's
-# 269.1 at 3,072, 327.1 against 339.0 at 4,096 and 681.7 against 704.6 at 8,192; at 2,048 the two
-# tied (169.4 and 170.1; session 38 had _LARGE fastest there) (docs/benchmarks.md, sessions 38
-# and 40). Presumably the wider groups reuse each weight tile from L2 across more row tiles; the
-# sweep measured the pair of changes, not each alone.
-_HUGE = Tile(128, 128, 64, 3, 8, 16)
+# 3 stages and groups of 16 row tiles. With the one-dot kernel, on an H100 (the fastest of four
+# alternating samples, docs/benchmarks.md session 40): 166.3 us against 171.1 for 4 stages and
+# groups of 8 at 2,048 rows, 347.1 against 364.3 at 4,096, 711.2 against 734.7 at 8,192; at
+# 3,072 the two tied (262.8 and 259.7). Presumably the wider groups reuse each weight tile from
+# L2 across more row tiles; the sweep measured the pair of changes, not each alone.
+_LARGE = Tile(128, 128, 64, 3, 8, 16)
 # the K loop takes whole steps of every tile's depth: of the largest, then
-_DEPTH = max(t.depth for t in (*(t for _, t in _SMALL), _LARGE, _HUGE))
+_DEPTH = max(t.depth for t in (*(t for _, t in _SMALL), _LARGE))
 
 
 def tile_for(tokens: int, captured: bool = True) -> Tile | None:
@@ -62,8 +60,6 @@ def tile_for(tokens: int, captured: bool = True) -> Tile | None:
     an eager call takes the kernel only where the device, not the host, sets the pace."""
     if tokens <= 0:
         return None
-    if tokens >= HUGE_MIN:
-        return _HUGE
     if tokens >= LARGE_MIN:
         return _LARGE
     if not captured:

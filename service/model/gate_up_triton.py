@@ -53,9 +53,10 @@ def _gate_up_silu_kernel(
     acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
     for k in range(0, K, BK):
         # one load brings BN gate rows and the same BN up rows, (2, BN, BK), which lie in
-        # shared memory as (2 BN, BK): one dot twice as wide per step instead of two (2.2% less
-        # time at 2,048 tokens on an H100, docs/benchmarks.md session 40). Rows past N in
-        # either plane read zeros, and the store clips their columns.
+        # shared memory as (2 BN, BK): one dot twice as wide per step instead of two (on an H100
+        # 5.9% less time at 2,048 tokens and 5.6% at 8,192, the same at 3,072 and at 16-128;
+        # docs/benchmarks.md session 40). Rows past N in either plane read zeros, and the store
+        # clips their columns.
         b = tl.reshape(w_desc.load([0, pn * BN, k]), (2 * BN, BK))
         acc = tl.dot(x_desc.load([pm * BM, k]), b.T, acc)
     # (BM, 2 BN): gate's BN columns, then up's
