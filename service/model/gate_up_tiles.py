@@ -8,7 +8,10 @@ and writes (T, I). Measured on the H200 against cuBLAS + FlashInfer for Qwen2.5-
 kernel takes 0.78-0.92 of the pair's time at 16-128 tokens and 0.84-0.98 from 2,048, but
 1.00-1.41 between: there a tile of 128 rows by 2 x 128 columns gives 1.06-4.2 waves of 132 SMs,
 and the partial last wave costs more than the saved traffic. So between ``SMALL_MAX`` and
-``LARGE_MIN`` the pair runs as before.
+``LARGE_MIN`` the pair runs as before. Since session 40 the kernel makes one dot twice as wide per
+step; on an H100 it takes 0.79-0.89 of the pair's time from 2,048 tokens and 0.85-0.91 at 16-128
+(docs/benchmarks.md, session 40). Running the last row stripes as half tiles, to fill the partial
+last wave, was measured there too and was slower.
 
 The host pays more for the kernel: a Triton launch with its three tensor descriptors took 43-49
 us a call against the pair's 26-39 (same script, ``--host``). Inside a captured graph that cost
