@@ -69,6 +69,19 @@ def fused_ptr(
 
 
 @triton.jit
+def _two_dots(xd, wd, pm, pn, N, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr):  # fmt: skip
+    # a gate load and dot, then an up load and dot, per step of K: (BM, BN) gate and up sums
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = xd.load([pm * BM, k])
+        acc_g = tl.dot(a, wd.load([pn * BN, k]).T, acc_g)
+        acc_u = tl.dot(a, wd.load([N + pn * BN, k]).T, acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
 def fused_tma_persistent(
     xd,
     wd,
@@ -87,12 +100,7 @@ def fused_tma_persistent(
     tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), tiles, SMS, flatten=True, warp_specialize=WS):
         pm, pn = _tile_of(tile, M, N, BM, BN, GROUP_M)
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, K, BK):
-            a = xd.load([pm * BM, k])
-            acc_g = tl.dot(a, wd.load([pn * BN, k]).T, acc_g)
-            acc_u = tl.dot(a, wd.load([N + pn * BN, k]).T, acc_u)
+        acc_g, acc_u = _two_dots(xd, wd, pm, pn, N, K, BM, BN, BK)
         y = acc_g * tl.sigmoid(acc_g) * acc_u
         od.store([pm * BM, pn * BN], y.to(od.dtype))
 
@@ -126,7 +134,7 @@ def make_tma_persistent(x, w, out, bm, bn, bk, stages, warps, group, ws=False):
 
 
 @triton.jit
-def fused_tma_one(
+def fused_tma_alt(
     xd,
     wd,
     od,
@@ -137,73 +145,47 @@ def fused_tma_one(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
-    # wd holds the weight reordered: BN gate rows, then the same BN up rows, and so on, so one
-    # (2 BN)-wide dot per step computes both halves of a tile
     pm, pn = _tile(M, N, BM, BN, GROUP_M)
-    acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        acc = tl.dot(xd.load([pm * BM, k]), wd.load([pn * 2 * BN, k]).T, acc)
-    g, u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+    if INTERLEAVED:
+        # wd holds the weight reordered: BN gate rows, then the same BN up rows, and so on, so
+        # one (2 BN)-wide dot per step computes both halves of a tile
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            acc = tl.dot(xd.load([pm * BM, k]), wd.load([pn * 2 * BN, k]).T, acc)
+        g, u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+    else:
+        # the service's kernel before session 40
+        g, u = _two_dots(xd, wd, pm, pn, N, K, BM, BN, BK)
     y = g * tl.sigmoid(g) * u
     od.store([pm * BM, pn * BN], y.to(od.dtype))
+
+
+def _make_alt(x, w, out, bm, bn, bk, stages, warps, group, interleaved):
+    m, n, k, xd, wd, od = _descriptors(x, w, out, bm, bn, bk, 2 * bn if interleaved else bn)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+
+    def run():
+        fused_tma_alt[grid](
+            xd, wd, od, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=group, INTERLEAVED=interleaved,
+            num_stages=stages, num_warps=warps,
+        )  # fmt: skip
+        return out
+
+    return run
 
 
 def make_tma_one(x, w, out, bm, bn, bk, stages, warps, group):
     """The one-dot form; reorders a copy of ``w`` (N must be a multiple of ``bn``)."""
     n, k = w.shape[0] // 2, w.shape[1]
     w2 = w.view(2, n // bn, bn, k).transpose(0, 1).reshape(2 * n, k).contiguous()
-    m, n, k, xd, wd, od = _descriptors(x, w2, out, bm, bn, bk, 2 * bn)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-
-    def run():
-        fused_tma_one[grid](
-            xd, wd, od, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=group,
-            num_stages=stages, num_warps=warps,
-        )  # fmt: skip
-        return out
-
-    return run
-
-
-@triton.jit
-def fused_tma_two(
-    xd,
-    wd,
-    od,
-    M,
-    N,
-    K: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    # the service's kernel before session 40: a gate load and dot, then an up load and dot
-    pm, pn = _tile(M, N, BM, BN, GROUP_M)
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        a = xd.load([pm * BM, k])
-        acc_g = tl.dot(a, wd.load([pn * BN, k]).T, acc_g)
-        acc_u = tl.dot(a, wd.load([N + pn * BN, k]).T, acc_u)
-    y = acc_g * tl.sigmoid(acc_g) * acc_u
-    od.store([pm * BM, pn * BN], y.to(od.dtype))
+    return _make_alt(x, w2, out, bm, bn, bk, stages, warps, group, True)
 
 
 def make_tma_two(x, w, out, bm, bn, bk, stages, warps, group):
     """The two-dot form (two loads of BN weight rows per step)."""
-    m, n, k, xd, wd, od = _descriptors(x, w, out, bm, bn, bk, bn)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-
-    def run():
-        fused_tma_two[grid](
-            xd, wd, od, m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=group,
-            num_stages=stages, num_warps=warps,
-        )  # fmt: skip
-        return out
-
-    return run
+    return _make_alt(x, w, out, bm, bn, bk, stages, warps, group, False)
 
 
 def run_ptr(x, w, out, bm, bn, bk, stages, warps, group):
