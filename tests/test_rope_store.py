@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from service.buckets import decide_replay
 from service.config import EngineConfig
 from service.errors import ConfigError
+from service.model import out_twins
 from service.model.kernels import Kernels
 from service.model.rope_store_policy import block_tokens
 from service.ranks.select import choose_rope_store
@@ -174,6 +175,27 @@ def _(qkv, heads_q, heads_kv, head_dim, positions, cos_sin_cache, kv, loc):
     return qkv.new_empty(qkv.shape[0], (heads_q + 2 * heads_kv) * head_dim)
 
 
+_into_calls: list[int] = []
+
+
+@torch.library.custom_op("capture_service_test::rope_store_qkv_into", mutates_args=("out",))
+def _cpu_rope_store_into_op(
+    qkv: torch.Tensor, heads_q: int, heads_kv: int, head_dim: int, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor, out: torch.Tensor,
+) -> None:  # fmt: skip
+    _into_calls.append(out.data_ptr())
+    _cpu_rope_store(qkv, (heads_q, heads_kv), head_dim, positions, cos_sin_cache, kv, loc, out)
+
+
+@_cpu_rope_store_into_op.register_fake
+def _(qkv, heads_q, heads_kv, head_dim, positions, cos_sin_cache, kv, loc, out):
+    return None
+
+
+out_twins.register(torch.ops.capture_service_test.rope_store_qkv,
+                   torch.ops.capture_service_test.rope_store_qkv_into.default)  # fmt: skip
+
+
 def _cpu_kernel_module():
     import types
 
@@ -210,9 +232,11 @@ def _cpu_flashinfer_kernels():
 def test_the_kernel_routes_keep_the_results_and_store_once(backend, monkeypatch):
     """On CPU, the kernel's stand-in (the torch reference behind the kernel's contract) under
     FlashInferKernels' routing: eager calls make the kernel call, tc_piecewise's compiled pieces
-    make the op and then no store op of their own (a piece that stored twice or not at all, or
-    whose attention read an unrotated K, fails), and the logits and the cache match the plain
-    route's (float32: the same arithmetic, in another order)."""
+    make the op's twin, writing into the very buffer the layer's attention reads (a piece that
+    wrote elsewhere and copied, or whose attention read another buffer, fails), and then no
+    store op of their own (a piece that stored twice or not at all, or whose attention read an
+    unrotated K, fails), and the logits and the cache match the plain route's (float32: the
+    same arithmetic, in another order)."""
     import service.ranks.attention.custom_op as custom_op
     import service.ranks.startup as startup
 
@@ -230,6 +254,7 @@ def test_the_kernel_routes_keep_the_results_and_store_once(backend, monkeypatch)
         batch = live_batch(w, (20, 17, 11), seed=3)
         hit = decide_replay(e.resolved.plan, 48, 3)
         _op_calls.clear()
+        _into_calls.clear()
         stores.clear()
         with torch.inference_mode():
             for t in w.kv.kv:
@@ -237,16 +262,19 @@ def test_the_kernel_routes_keep_the_results_and_store_once(backend, monkeypatch)
             got = w.runner.run(batch, hit).clone()
             outs.append((got, torch.stack([t.clone() for t in w.kv.kv])))
         counts = (len(_op_calls), len(stores))
+        into = list(_into_calls)
     (p_out, p_cache), (r_out, r_cache) = outs
     op_calls, routed_stores = counts  # the routed run's
     assert (p_out - r_out).abs().max().item() < 1e-4 * p_out.abs().max().item()
     assert (p_cache - r_cache).abs().max().item() < 1e-4 * p_cache.abs().max().item()
     assert (r_cache[:, 1:].abs().amax(dim=(1, 2, 3, 4)) > 0).all()  # every layer stored
     layers = len(routed.executor.worker.model.layers)
-    if backend == "tc_piecewise":  # every layer through the op, and no store op at all
-        assert (op_calls, routed_stores) == (layers, 0)
+    if backend == "tc_piecewise":  # every layer through the twin, and no store op at all
+        assert (op_calls, len(into), routed_stores) == (0, layers, 0)
+        tape = routed.executor.worker.runner._captured[hit.bucket]
+        assert into == [c.q.data_ptr() for c in tape.calls.calls]
     else:  # full's graphs are not compiled: the kernel's eager call, never the op
-        assert op_calls == 0
+        assert op_calls == 0 and into == []
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
@@ -346,6 +374,44 @@ def test_the_op_in_a_compiled_function_gives_the_kernels_bits():
         got = fn(qkv, positions, kv_a, loc)
         want = piece(qkv, positions, kv_b, loc)
         assert torch.equal(got, want) and torch.equal(kv_a, kv_b) and kv_a.abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_the_twin_writes_the_ops_bits_into_the_buffer_it_is_given():
+    """The op's twin (what tc_piecewise's pieces call on their hand-over buffer), compiled as a
+    piece is: the op's bits and cache, written into the given rows of a larger buffer and
+    nowhere else, with no copy kernel in the generated code; a buffer of the wrong shape is
+    refused with what it should be."""
+    _needs_triton()
+    from torch._inductor.utils import run_and_get_code
+
+    from service.model import rope_store_triton as rs
+
+    dev = torch.device("cuda")
+    table = torch.randn(512, 128, device=dev)
+    torch._dynamo.reset()
+
+    def piece(out, qkv, positions, kv, loc):
+        rs.rope_store_qkv_into_op(qkv, 4, 2, 128, positions, table, kv, loc, out)
+        return out
+
+    fn = torch.compile(piece, dynamic=True, fullgraph=True)
+    big = torch.full((400, 8 * 128), float("nan"), device=dev, dtype=torch.bfloat16)
+    for tokens in (16, 300, 64):
+        qkv = torch.randn(tokens, 8 * 128, device=dev).to(torch.bfloat16)
+        positions = torch.arange(tokens, device=dev)
+        loc = torch.arange(1, tokens + 1, device=dev)
+        kv_a = torch.zeros(tokens + 1, 2, 2, 128, dtype=torch.bfloat16, device=dev)
+        kv_b = torch.zeros_like(kv_a)
+        big.fill_(float("nan"))
+        got, code = run_and_get_code(fn, big[:tokens], qkv, positions, kv_a, loc)
+        want = rs.rope_store_qkv_op(qkv, 4, 2, 128, positions, table, kv_b, loc)
+        assert got.data_ptr() == big.data_ptr() and torch.equal(big[:tokens], want)
+        assert big[tokens:].isnan().all() and torch.equal(kv_a, kv_b) and kv_a.abs().sum() > 0
+        assert "copy" not in "\n".join(code).lower()
+    with pytest.raises(ValueError, match=r"row-major \(16, 1024\)"):
+        rs.rope_store_qkv_into_op(qkv[:16], 4, 2, 128, positions[:16], table, kv_a, loc[:16],
+                                  big[:16, :512])  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -24,9 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from service.model import out_twins
 from service.model.rope_store_policy import block_tokens
 
 OP_NAME = "capture_service::rope_store_qkv"
+INTO_OP_NAME = "capture_service::rope_store_qkv_into"
 
 
 @triton.jit
@@ -156,3 +158,36 @@ def rope_store_qkv_op(
 @rope_store_qkv_op.register_fake
 def _(qkv, heads_q, heads_kv, head_dim, positions, cos_sin_cache, kv, loc):
     return qkv.new_empty(qkv.shape[0], (heads_q + 2 * heads_kv) * head_dim)
+
+
+# The op's twin (service.model.out_twins): the same kernel writing q, K and V into ``out``, the
+# hand-over buffer a tc_piecewise piece gives it, instead of into a fresh tensor the piece would
+# then copy there. ``out`` is the one declared mutation: the piece's caller reads it.
+@torch.library.custom_op(INTO_OP_NAME, mutates_args=("out",))
+def rope_store_qkv_into_op(
+    qkv: torch.Tensor,
+    heads_q: int,
+    heads_kv: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv: torch.Tensor,
+    loc: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    width = (heads_q + 2 * heads_kv) * head_dim
+    if out.shape != (qkv.shape[0], width) or out.stride(1) != 1 or out.dtype != qkv.dtype:
+        raise ValueError(
+            f"rope_store_qkv_into writes a row-major ({qkv.shape[0]}, {width}) {qkv.dtype} "
+            f"tensor; got {tuple(out.shape)} {out.dtype} with strides {out.stride()}"
+        )
+    rope_store(qkv, (heads_q, heads_kv), head_dim, positions, cos_sin_cache, kv, loc, out=out)
+
+
+@rope_store_qkv_into_op.register_fake
+def _(qkv, heads_q, heads_kv, head_dim, positions, cos_sin_cache, kv, loc, out):
+    return None
+
+
+out_twins.register(torch.ops.capture_service.rope_store_qkv,
+                   torch.ops.capture_service.rope_store_qkv_into.default)  # fmt: skip

@@ -31,6 +31,7 @@ from service.ranks.runners.graph_base import GraphRunner
 from service.ranks.runners.graph_capture import CapturedCall
 from service.ranks.runners.segment_attention import SegmentAttention
 from service.ranks.runners.tape import RecordingAttention, Tape
+from service.ranks.runners.tc_piecewise.handover import run_into
 from service.ranks.runners.tc_piecewise.pieces import PieceGraph
 from service.ranks.runners.tc_piecewise.shared import CaptureState, SharedBuffers
 from service.ranks.runners.tc_piecewise.split import (
@@ -39,7 +40,6 @@ from service.ranks.runners.tc_piecewise.split import (
     check_tape_structure,
     is_attention_piece,
     piece_signature,
-    run_into,
     shareable_outputs,
     split_at_attention,
 )

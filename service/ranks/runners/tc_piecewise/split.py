@@ -152,17 +152,3 @@ def piece_signature(sub: fx.GraphModule) -> tuple:
         target = "" if node.op == "placeholder" else str(node.target)
         sig.append((node.op, target, repr(args)))
     return tuple(sig)
-
-
-def run_into(sub: fx.GraphModule) -> Callable:
-    """``sub``, writing its buffered outputs into the given ``outs`` (None: returned as is)."""
-
-    def run(outs: list[torch.Tensor | None], *args: object) -> object:
-        res = sub(*args)
-        flat = res if isinstance(res, (tuple, list)) else (res,)
-        for o, r in zip(outs, flat, strict=False):
-            if o is not None:
-                o.copy_(r)
-        return tuple(o if o is not None else r for o, r in zip(outs, flat, strict=False))
-
-    return run
