@@ -53,8 +53,16 @@ _SMALL = (
 # 3,072 the two tied (262.8 and 259.7). Presumably the wider groups reuse each weight tile from
 # L2 across more row tiles; the sweep measured the pair of changes, not each alone.
 _LARGE = Tile(128, 128, 64, 3, 8, 16)
+# Captured calls between SMALL_MAX and LARGE_MIN: (fewest rows, most rows, tile). Where the
+# one-dot kernel beat cuBLAS + SiLU-and-mul in session 41's sweep on an H100 (docs/benchmarks.md);
+# the sizes between keep the pair.
+_MIDDLE = (
+    (SMALL_MAX + 1, 192, Tile(64, 64, 64, 4, 4, 8)),
+    (257, 384, Tile(128, 128, 64, 4, 8, 8)),
+    (769, LARGE_MIN - 1, _LARGE),
+)
 # the K loop takes whole steps of every tile's depth: of the largest, then
-_DEPTH = max(t.depth for t in (*(t for _, t in _SMALL), _LARGE))
+_DEPTH = max(t.depth for t in (*(t for _, t in _SMALL), *(t for *_, t in _MIDDLE), _LARGE))
 
 
 def tile_for(tokens: int, captured: bool = True) -> Tile | None:
@@ -70,7 +78,15 @@ def tile_for(tokens: int, captured: bool = True) -> Tile | None:
     for limit, tile in _SMALL:
         if tokens <= limit:
             return tile
+    for low, high, tile in _MIDDLE:
+        if low <= tokens <= high:
+            return tile
     return None
+
+
+def middle_ranges() -> tuple[tuple[int, int], ...]:
+    """The captured-only row ranges between SMALL_MAX and LARGE_MIN that take the kernel."""
+    return tuple((low, high) for low, high, _ in _MIDDLE)
 
 
 def shape_blocker(hidden: int, intermediate: int, itemsize: int) -> str | None:
