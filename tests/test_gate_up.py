@@ -60,6 +60,27 @@ def test_large_buckets_take_the_tile_measured_fastest_there():
         assert tile_for(tokens) == large and tile_for(tokens, captured=False) == large
 
 
+def test_middle_buckets_take_the_kernel_only_where_it_was_measured_faster():
+    """Between 128 and 2,048 rows, captured calls take the kernel at the default buckets where
+    session 41's sweep measured it faster than the pair (192, 384, 1,536 rows, each with the
+    tile measured there) and keep the pair at the others (256, 512, 768, 1,024); eager calls
+    there keep the pair (host-bound). A table that let every middle size take the kernel, or
+    none, fails."""
+    small = tile_for(192)
+    assert (small.rows, small.cols, small.depth, small.stages, small.warps, small.group) == (
+        64, 64, 64, 4, 4, 8,
+    )  # fmt: skip
+    mid = tile_for(384)
+    assert (mid.rows, mid.cols, mid.depth, mid.stages, mid.warps, mid.group) == (
+        128, 128, 64, 4, 8, 8,
+    )  # fmt: skip
+    assert tile_for(1536) == tile_for(LARGE_MIN)
+    for tokens in (256, 512, 768, 1024):
+        assert tile_for(tokens) is None, tokens
+    for tokens in (192, 384, 1536):
+        assert tile_for(tokens, captured=False) is None, tokens
+
+
 def test_shapes_the_kernel_cannot_take_are_named():
     assert shape_blocker(1536, 8960, 2) is None  # Qwen2.5-1.5B
     assert shape_blocker(256, 768, 2) is None  # the built-in model

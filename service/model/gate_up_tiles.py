@@ -11,7 +11,9 @@ and the partial last wave costs more than the saved traffic. So between ``SMALL_
 ``LARGE_MIN`` the pair runs as before. Since session 40 the kernel makes one dot twice as wide per
 step; on an H100 it takes 0.79-0.89 of the pair's time from 2,048 tokens and 0.85-0.91 at 16-128
 (docs/benchmarks.md, session 40). Running the last row stripes as half tiles, to fill the partial
-last wave, was measured there too and was slower.
+last wave, was measured there too and was slower. Session 41 swept the sizes between with the
+one-dot kernel: captured calls of 129-192, 257-384 and 1,025-2,047 rows now take it too
+(``_MIDDLE``); the rest of that range keeps the pair.
 
 The host pays more for the kernel: a Triton launch with its three tensor descriptors took 43-49
 us a call against the pair's 26-39 (same script, ``--host``). Inside a captured graph that cost
@@ -53,13 +55,17 @@ _SMALL = (
 # 3,072 the two tied (262.8 and 259.7). Presumably the wider groups reuse each weight tile from
 # L2 across more row tiles; the sweep measured the pair of changes, not each alone.
 _LARGE = Tile(128, 128, 64, 3, 8, 16)
-# Captured calls between SMALL_MAX and LARGE_MIN: (fewest rows, most rows, tile). Where the
-# one-dot kernel beat cuBLAS + SiLU-and-mul in session 41's sweep on an H100 (docs/benchmarks.md);
-# the sizes between keep the pair.
+# Captured calls between SMALL_MAX and LARGE_MIN: (fewest rows, most rows, tile), where the
+# one-dot kernel beat cuBLAS + SiLU-and-mul in session 41's sweep on an H100 (docs/benchmarks.md;
+# us per call in a graph, one sample of each, the kernel's best tile against the pair):
+# 192 rows 30.3 against 36.3 (cuBLAS's GEMM alone took 31.6 there, more than at 256 rows), 384
+# rows 39.1 against 43.8, 1,536 rows 133.6-135.4 for three 128- and 256-row tiles against 154.6.
+# The pair kept 256 (38.2 against 33.1), 512 (57.4 / 52.6) and 768 rows (75.8 / 73.7); 1,024
+# rows were level (97.8 / 98.2), so from 1,025 rows the large tile runs, as from 2,048.
 _MIDDLE = (
     (SMALL_MAX + 1, 192, Tile(64, 64, 64, 4, 4, 8)),
     (257, 384, Tile(128, 128, 64, 4, 8, 8)),
-    (769, LARGE_MIN - 1, _LARGE),
+    (1025, LARGE_MIN - 1, _LARGE),
 )
 # the K loop takes whole steps of every tile's depth: of the largest, then
 _DEPTH = max(t.depth for t in (*(t for _, t in _SMALL), *(t for *_, t in _MIDDLE), _LARGE))
