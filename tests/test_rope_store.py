@@ -350,6 +350,15 @@ def test_the_kernel_matches_the_torch_reference(tokens, heads, d):
     assert torch.equal(kv2[loc[live]], kv[loc[live]])
 
 
+def _op_inputs(tokens: int, dev: torch.device):
+    """qkv of 4 q and 2 K/V heads of 128, positions, slots 1..tokens and two empty caches."""
+    qkv = torch.randn(tokens, 8 * 128, device=dev).to(torch.bfloat16)
+    positions = torch.arange(tokens, device=dev)
+    loc = torch.arange(1, tokens + 1, device=dev)
+    kv_a = torch.zeros(tokens + 1, 2, 2, 128, dtype=torch.bfloat16, device=dev)
+    return qkv, positions, loc, kv_a, torch.zeros_like(kv_a)
+
+
 @pytest.mark.gpu
 def test_the_op_in_a_compiled_function_gives_the_kernels_bits():
     """tc_piecewise's pieces call the op with symbolic token counts: a compiled function over it
@@ -366,11 +375,7 @@ def test_the_op_in_a_compiled_function_gives_the_kernels_bits():
 
     fn = torch.compile(piece, dynamic=True, fullgraph=True)
     for tokens in (16, 300, 64):
-        qkv = torch.randn(tokens, 8 * 128, device=dev).to(torch.bfloat16)
-        positions = torch.arange(tokens, device=dev)
-        loc = torch.arange(1, tokens + 1, device=dev)
-        kv_a = torch.zeros(tokens + 1, 2, 2, 128, dtype=torch.bfloat16, device=dev)
-        kv_b = torch.zeros_like(kv_a)
+        qkv, positions, loc, kv_a, kv_b = _op_inputs(tokens, dev)
         got = fn(qkv, positions, kv_a, loc)
         want = piece(qkv, positions, kv_b, loc)
         assert torch.equal(got, want) and torch.equal(kv_a, kv_b) and kv_a.abs().sum() > 0
@@ -398,11 +403,7 @@ def test_the_twin_writes_the_ops_bits_into_the_buffer_it_is_given():
     fn = torch.compile(piece, dynamic=True, fullgraph=True)
     big = torch.full((400, 8 * 128), float("nan"), device=dev, dtype=torch.bfloat16)
     for tokens in (16, 300, 64):
-        qkv = torch.randn(tokens, 8 * 128, device=dev).to(torch.bfloat16)
-        positions = torch.arange(tokens, device=dev)
-        loc = torch.arange(1, tokens + 1, device=dev)
-        kv_a = torch.zeros(tokens + 1, 2, 2, 128, dtype=torch.bfloat16, device=dev)
-        kv_b = torch.zeros_like(kv_a)
+        qkv, positions, loc, kv_a, kv_b = _op_inputs(tokens, dev)
         big.fill_(float("nan"))
         got, code = run_and_get_code(fn, big[:tokens], qkv, positions, kv_a, loc)
         want = rs.rope_store_qkv_op(qkv, 4, 2, 128, positions, table, kv_b, loc)
