@@ -93,9 +93,7 @@ def test_the_op_writes_into_the_buffer_and_the_join_of_its_slices_is_gone():
 
 def test_what_cannot_be_rewritten_is_left_alone():
     # slices joined out of order: the join is a real permutation, not the op's output
-    sub = _piece(order=(1, 0, 2))
-    g = redirect_outputs(sub)
-    assert g is None
+    assert redirect_outputs(_piece(order=(1, 0, 2))) is None
     # a slice read elsewhere: the join stays (no op output at the piece's end either)
     assert redirect_outputs(_piece(extra_reader=True)) is None
     # an op without a twin
@@ -103,6 +101,24 @@ def test_what_cannot_be_rewritten_is_left_alone():
     sub = _piece(op=plain)
     graph = sub.graph
     assert collapse_split_cat(graph) == 0 and torch.cat in _targets(sub)
+
+
+def test_an_op_returned_twice_is_written_once_and_copied_once():
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    proj = g.call_function(torch.nn.functional.linear, (x, w))
+    made = g.call_function(torch.ops.capture_service_test.scale3.default, (proj, 2.0))
+    g.output((made, made))
+    sub = fx.GraphModule(torch.nn.Module(), g)
+    red = redirect_outputs(sub)
+    assert red is not None and red.outputs == (0,)
+    x_, w_, _ = _inputs()
+    a, b = torch.zeros(5, 8), torch.zeros(5, 8)
+    _twin_outs.clear()
+    got = run_into(sub)([a, b], x_, w_)
+    want = sub(x_, w_)[0]
+    assert got == (a, b) and _twin_outs == [a.data_ptr()]
+    assert torch.equal(a, want) and torch.equal(b, want)
 
 
 def test_run_into_falls_back_to_a_copy_where_no_buffer_is_given():

@@ -98,7 +98,8 @@ def redirect_outputs(sub: fx.GraphModule) -> Redirected | None:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     redirected: list[int] = []
     for i, node in enumerate(flat):
-        if not isinstance(node, fx.Node) or node.op != "call_function":
+        # an op returned at two positions is written at the first; the second is its copy
+        if not isinstance(node, fx.Node) or node.op != "call_function" or node in flat[:i]:
             continue
         twin = twin_of(node.target)
         if twin is None:
