@@ -18,7 +18,8 @@
 #                                                      # launch (graph launch cost),
 #                                                      # attn (FA2 against FA3 prefill),
 #                                                      # rope (rotary + K/V store kernels),
-#                                                      # splitk (split-K GEMM + add-RMSNorm probe)
+#                                                      # splitk (split-K GEMM + add-RMSNorm probe),
+#                                                      # residual (the add in the GEMM's epilogue)
 #
 # SAVE_FICACHE=1 returns FlashInfer's JIT-built modules ($OUT/ficache.tgz.*); joined into
 # .ficache/ficache.tgz and carried (.ficache, git-ignored), later calls skip their builds.
@@ -194,6 +195,9 @@ for what in "$@"; do
     rope)  # rotary + K/V store: FlashInfer's rotary then the store against one Triton kernel
       TAIL=14 step rope_store 180 python3 benchmarks/rope_store.py --m "${ROPE_M:-16,64,256,1024,2048,4096,8192}" \
         --host --out "$RES/rope_store.json" ;;
+    residual)  # the residual add in o_proj / down's GEMM (cuBLAS beta = 1), then a plain RMSNorm
+      TAIL=14 step residual_gemm 180 python3 benchmarks/residual_gemm.py --m "${RESIDUAL_M:-512,1024,2048,4096,8192}" \
+        --rounds "${RESIDUAL_ROUNDS:-2}" --out "$RES/residual_gemm.json" ;;
     swiglu)  # gate_up GEMM + SiLU-and-mul: cuBLAS + FlashInfer against a fused Triton kernel
       TAIL=14 step swiglu 360 python3 benchmarks/swiglu_gemm.py --m "${SWIGLU_M:-16,32,64,128,256,512,1024,2048,4096,8192}" \
         --variants "${SWIGLU_VARIANTS:-tma,tmap,tmaws}" ${SWIGLU_CONFIGS:+--configs "$SWIGLU_CONFIGS"} \

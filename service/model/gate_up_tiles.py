@@ -62,6 +62,10 @@ _LARGE = Tile(128, 128, 64, 3, 8, 16)
 # rows 39.1 against 43.8, 1,536 rows 133.6-135.4 for three 128- and 256-row tiles against 154.6.
 # The pair kept 256 (38.2 against 33.1), 512 (57.4 / 52.6) and 768 rows (75.8 / 73.7); 1,024
 # rows were level (97.8 / 98.2), so from 1,025 rows the large tile runs, as from 2,048.
+# Session 42 confirmed it on an H100: in three alternating samples of each tile the kernel
+# took 0.86-0.87 of the pair's time at 192 rows, 0.89-0.92 at 384 and 0.89-0.95 at 1,536, 1.15 at
+# 256 and 0.96-1.04 at 1,024. The whole model, captured (`full` and `breakable`, two rounds), ran
+# 1.8-2.3% faster at 192 tokens, 1.2-1.6% at 384 and 4.8-5.8% at 1,536 than with the pair there.
 _MIDDLE = (
     (SMALL_MAX + 1, 192, Tile(64, 64, 64, 4, 4, 8)),
     (257, 384, Tile(128, 128, 64, 4, 8, 8)),
