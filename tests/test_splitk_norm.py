@@ -18,7 +18,6 @@ from service.engine import Engine
 from service.errors import ConfigError
 from service.model import splitk
 from service.model.kernels import Kernels
-from service.model.llama import MLP_TOKEN_CHUNK
 from service.model.splitk_policy import MAX_ROWS, MIN_ROWS, slices
 from service.ranks.select import choose_splitk_norm
 from tests.batches import cpu_server_info, engine_flags, live_batch, small_engine
@@ -44,8 +43,6 @@ def test_slices_always_divide_k_and_stop_past_the_largest_measured_rows(rows, k,
     assert s in (1, 2, 4) and k % s == 0
     if rows < MIN_ROWS or rows > MAX_ROWS:  # only where measured faster
         assert s == 1
-    # the MLP's token chunks are past the policy: a chunked MLP never returns partials
-    assert slices(MLP_TOKEN_CHUNK, k, n) == 1
 
 
 @pytest.mark.parametrize("s", [2, 4])

@@ -33,6 +33,7 @@ from service.model.attention import (
     KVTarget,
 )
 from service.model.kernels import Kernels, SplitK
+from service.model.mlp_chunks import chunk_rows
 from service.model.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -41,8 +42,6 @@ from service.model.parallel import (
     VocabParallelEmbedding,
 )
 from service.model.rotary import RotaryEmbedding
-
-MLP_TOKEN_CHUNK = 2048  # GEMMs of 2048 rows already run at full rate
 
 
 class RMSNorm(nn.Module):
@@ -147,17 +146,24 @@ class MLP(nn.Module):
         # Compiled (tc_piecewise) pieces run it whole: inductor fuses the activation into one
         # kernel (or, with the fused gate_up kernel, one opaque op picks per call), and no size
         # test enters the trace, so one trace serves every bucket.
-        if torch.compiler.is_compiling() or x.shape[0] <= MLP_TOKEN_CHUNK:
+        rows = x.shape[0]
+        if torch.compiler.is_compiling():
+            step = rows
+        else:
+            step = chunk_rows(rows, self.gate_up_proj.local_sizes[0], x.element_size())
+        if step >= rows:
             return self.kernels.row_linear(
                 self.kernels.gate_up_silu(x, self.gate_up_proj), self.down_proj
             )
-        # Long batches run in token chunks: the (T, 2 * intermediate) activation is the largest
-        # tensor of the forward, and a captured graph's pool keeps its peak for good. (Chunks are
-        # past the split-K policy's rows, splitk_policy.MAX_ROWS: each is one tensor.)
-        return torch.cat(
-            [self.down_proj(self.kernels.gate_up_silu(p, self.gate_up_proj))
-             for p in x.split(MLP_TOKEN_CHUNK)]
-        )  # fmt: skip
+        # Long batches run in equal token chunks (service.model.mlp_chunks: the intermediates
+        # are the forward's largest tensors, and a captured graph's pool keeps its peak), each
+        # written into its rows of one output. Chunks are past the split-K policy's rows
+        # (splitk_policy.MAX_ROWS): down runs whole per chunk.
+        out = x.new_empty(rows, self.down_proj.weight.shape[0])
+        for start in range(0, rows, step):
+            part = slice(start, start + step)
+            self.down_proj(self.kernels.gate_up_silu(x[part], self.gate_up_proj), out=out[part])
+        return out
 
 
 class PreNormLayer(nn.Module):

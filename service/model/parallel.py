@@ -167,8 +167,16 @@ class RowParallelLinear(nn.Module):
         """This rank's partial sum, for a caller that adds other partials before reducing."""
         return F.linear(x, self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in_local) -> (T, out)
-        return self.tp.all_reduce(self.partial(x))
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, in_local) -> (T, out), summed over ranks; written into ``out`` (contiguous rows
+        of a larger output) when given, and ``out`` returned."""
+        if out is None:
+            return self.tp.all_reduce(self.partial(x))
+        torch.mm(x, self.weight.t(), out=out)
+        summed = self.tp.all_reduce(out)
+        if summed is not out:  # gloo's functional collective returns a new tensor
+            out.copy_(summed)
+        return out
 
 
 class VocabParallelEmbedding(nn.Module):
