@@ -157,8 +157,8 @@ class MLP(nn.Module):
             )
         # Long batches run in equal token chunks (service.model.mlp_chunks: the intermediates
         # are the forward's largest tensors, and a captured graph's pool keeps its peak), each
-        # written into its rows of one output. Chunks are past the split-K policy's rows
-        # (splitk_policy.MAX_ROWS): down runs whole per chunk.
+        # written into its rows of one output by one GEMM (never split-K partials, which only
+        # the whole path's row_linear returns).
         out = x.new_empty(rows, self.down_proj.weight.shape[0])
         for start in range(0, rows, step):
             part = slice(start, start + step)

@@ -10,8 +10,9 @@ pays that tail again. On an H100 at 8,192 tokens (docs/benchmarks.md, session 42
 kernel in four chunks of 2,048 rows took 23.3 ms a forward against 22.1 ms as one call of 8,192
 (``tc_piecewise``, which runs the MLP whole), and down 9.6 ms in chunks against about 9.2 whole; the
 chunks' outputs were then joined by a copy (``torch.cat``, 0.42 ms). So a chunk is as large as
-``BUDGET_BYTES`` of intermediates allows, the chunks are equal (no short last chunk with a worse
-tail), and each chunk's output is written into its rows of one output (no join).
+``BUDGET_BYTES`` of intermediates allows, the chunks are equal up to a row tile (no short last
+chunk with a tail of its own), and each chunk's output is written into its rows of one output (no
+join).
 """
 
 from __future__ import annotations
