@@ -61,6 +61,13 @@ def graph_us(fn, reps: int = 20, iters: int = 10) -> float:
     return statistics.median(samples)
 
 
+def save_rows(path: str | None, rows: list[dict]) -> None:
+    """A probe's rows, with the device and torch they ran on, as JSON at ``path`` (if given)."""
+    if path:
+        saved = {"rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        Path(path).write_text(json.dumps(saved, indent=2))
+
+
 def triton_linear():
     import triton
     import triton.language as tl

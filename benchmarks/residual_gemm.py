@@ -28,7 +28,6 @@ bf16 once, not the GEMM's output first).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gemm_shapes import graph_us
+from benchmarks.gemm_shapes import graph_us, save_rows
 
 H, I_ = 1536, 8960
 SHAPES = {"o_proj": (H, H), "down": (H, I_)}  # name: (N, K)
@@ -101,13 +100,7 @@ def main() -> int:
                 print(f"{name:>7} {m:>5} {r['ref']:>7.2f} {r['gemm']:>7.2f} {r['addmm']:>7.2f} "
                       f"{r['new']:>7.2f} {r['norm']:>7.2f} {r['new'] / r['ref']:>7.3f}  "
                       f"{r['maxdiff']:.1e}", flush=True)  # fmt: skip
-    if args.out:
-        saved = {
-            "rows": results,
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-        }
-        Path(args.out).write_text(json.dumps(saved, indent=2))
+    save_rows(args.out, results)
     return 0
 
 

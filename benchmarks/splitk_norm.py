@@ -23,7 +23,6 @@ Variants, microseconds per call inside one CUDA graph of 20 calls (``gemm_shapes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gemm_shapes import graph_us
+from benchmarks.gemm_shapes import graph_us, save_rows
 from service.model import splitk
 
 H, I_ = 1536, 8960
@@ -103,13 +102,7 @@ def main() -> int:
             diff = max((row[f"maxdiff{s}"] for s in splits if f"maxdiff{s}" in row), default=nan)
             print(f"{name:>7} {m:>5} {row['ref']:>7.2f} {row['ref_gemm']:>7.2f}{cells}  {diff:.1e}",
                   flush=True)  # fmt: skip
-    if args.out:
-        saved = {
-            "rows": results,
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-        }
-        Path(args.out).write_text(json.dumps(saved, indent=2))
+    save_rows(args.out, results)
     return 0
 
 
