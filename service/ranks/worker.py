@@ -33,6 +33,7 @@ from service.ranks.runners.decode import DecodeGraphRunner
 from service.ranks.runners.eager import EagerRunner
 from service.ranks.runners.registry import make_runner
 from service.ranks.sampler import sample_ids
+from service.ranks.slow_watch import watch
 from service.ranks.startup import RankSetup
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,10 @@ def capture_failure(
 
 
 class RankWorker:
+    # a capture running this long logs where it is, and again each time as long again
+    # (service.ranks.slow_watch): warm captures take well under a second
+    capture_watch_s = 30.0
+
     def __init__(self, setup: RankSetup) -> None:
         self.setup = setup
         self.model = setup.model
@@ -130,12 +135,14 @@ class RankWorker:
         """Capture one prefill bucket or decode size; any failure comes back as a
         :class:`CaptureFailure` (the coordinator drops it on every rank), or as
         :class:`RankFailure` when the device is unusable afterwards."""
+        what = f"rank {self.rank}: capture of {kind} size {size}"
         try:
-            if kind == "decode":
-                if self.decode_runner is None:
-                    raise CaptureFailed("decode graphs are off on this rank")
-                return self.decode_runner.capture(size)
-            return self.runner.capture_bucket(size)
+            with watch(what, self.capture_watch_s, log):
+                if kind == "decode":
+                    if self.decode_runner is None:
+                        raise CaptureFailed("decode graphs are off on this rank")
+                    return self.decode_runner.capture(size)
+                return self.runner.capture_bucket(size)
         except Exception as exc:
             log.warning("Capture of %s size %d failed: %s: %s", kind, size, type(exc).__name__, exc)
             return capture_failure(
