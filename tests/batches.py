@@ -36,6 +36,17 @@ def live_batch(worker, lens: tuple[int, ...], seed: int | None = None) -> Forwar
     return ForwardBatch.build(layout, ids, slots, worker.device)
 
 
+def hit_batch(engine: Engine, lens: tuple[int, ...], bucket: int, seed: int | None = None):
+    """A live prefill batch of ``lens`` on ``engine``'s worker and the replay decision for it,
+    which must be a hit of ``bucket``."""
+    from service.buckets import decide_replay
+
+    batch = live_batch(engine.executor.worker, lens, seed)
+    decision = decide_replay(engine.resolved.plan, sum(lens), len(lens))
+    assert decision.hit and decision.bucket == bucket, decision
+    return batch, decision
+
+
 def engine_flags(*argv: str) -> EngineConfig:
     """The engine config the command line ``argv`` gives (argparse exits on a bad choice)."""
     p = argparse.ArgumentParser()

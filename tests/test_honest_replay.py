@@ -20,7 +20,7 @@ from service.model import llama, rotary
 from service.padding import PADDING_SLOT
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.worker import capture_failure
-from tests.batches import live_batch
+from tests.batches import hit_batch, live_batch
 from tests.faults import FaultyLocalExecutor, RankFaults
 
 BACKENDS = ["full", "breakable", "tc_piecewise"]
@@ -68,10 +68,7 @@ def test_replay_is_frozen_at_capture_and_goes_through_the_captured_calls(
     e = Engine(graph_cfg(backend, device, full_request_slots=4 if backend == "full" else None))
     w = e.executor.worker
     runner = w.runner
-    lens = (37, 60, 11)
-    batch = live_batch(w, lens, seed=1)
-    decision = decide_replay(e.resolved.plan, sum(lens), len(lens))
-    assert decision.hit and decision.bucket == 256
+    batch, decision = hit_batch(e, (37, 60, 11), 256, seed=1)
     with torch.inference_mode():
         want = w.eager_runner.run(batch, decision).clone()
         calls = runner.replayed_calls(256, batch.layout)  # the graphs this batch selects

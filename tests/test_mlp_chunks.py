@@ -128,10 +128,9 @@ def test_a_captured_bucket_replays_the_chunked_mlp_and_equals_eager(backend, mon
     """With a budget of 100 tokens, the 256-token bucket is captured with the MLP in two chunks
     of 128 (inside the graphs), and its replay of a live 108-token batch equals the eager
     forward, which runs those 108 tokens whole."""
-    from service.buckets import decide_replay
-    from service.config import EngineConfig, GraphConfig
     from service.engine import Engine
-    from tests.batches import live_batch
+    from tests.batches import hit_batch
+    from tests.test_honest_replay import graph_cfg
 
     small = functools.partial(chunk_rows, budget=100 * 3 * 768 * 4)  # the built-in model, fp32
     seen: list[tuple[int, int]] = []
@@ -141,18 +140,12 @@ def test_a_captured_bucket_replays_the_chunked_mlp_and_equals_eager(backend, mon
         return seen[-1][1]
 
     monkeypatch.setattr(llama, "chunk_rows", recorded)
-    graph = GraphConfig(backend=backend, buckets=(256,),
-                        full_request_slots=4 if backend == "full" else None)  # fmt: skip
-    e = Engine(EngineConfig(device="cpu", dtype="float32", context_length=128,
-                            max_running_requests=8, chunked_prefill_size=256,
-                            kv_cache_memory_bytes=32 << 20, graph=graph))  # fmt: skip
+    slots = 4 if backend == "full" else None
+    e = Engine(graph_cfg(backend, buckets=(256,), full_request_slots=slots))
     try:
         assert (256, 128) in seen  # the capture took the chunked path
         w = e.executor.worker
-        lens = (37, 60, 11)
-        batch = live_batch(w, lens, seed=5)
-        decision = decide_replay(e.resolved.plan, sum(lens), len(lens))
-        assert decision.hit and decision.bucket == 256
+        batch, decision = hit_batch(e, (37, 60, 11), 256, seed=5)
         with torch.inference_mode():
             want = w.eager_runner.run(batch, decision).clone()
             assert seen[-1] == (108, 108)  # eager: the live tokens, whole
