@@ -272,10 +272,10 @@ def device_rates(device: torch.device, clocks: ClockSampler) -> dict:
     x = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     y = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     # The burst rate is the floor's divisor, so its noise is the ratios' noise: the median of one
-    # burst of 10 products moved by 745-803 TFLOP/s between processes on one H100 (session 42),
+    # burst of 10 products moved by 745-783 TFLOP/s between processes on one H100 (session 42),
     # 1.34-1.42x at 2,048 tokens for the same graph times. A floor is a best case, and a slow
     # sample only means the board was not at its best then: the fastest product of three bursts,
-    # each from an idle second, is the rate (the first burst's median is kept, as before).
+    # each from an idle second, is the rate (each burst's median is kept beside it).
     burst_runs: list[list[float]] = []
     burst_window = []
     for _ in range(BURSTS):

@@ -53,9 +53,12 @@ def test_chunks_are_the_fewest_equal_aligned_ones_that_fit(rows, inter, dtype_by
     assert rows - (chunks - 1) * step >= step - ROW_ALIGN * needed
 
 
-def test_a_bad_shape_is_named():
+def test_a_bad_shape_is_named_and_an_empty_call_runs_whole():
+    with pytest.raises(ValueError, match="must not be negative"):
+        chunk_rows(-1, QWEN_I, 2)
     with pytest.raises(ValueError, match="must be positive"):
-        chunk_rows(0, QWEN_I, 2)
+        chunk_rows(16, 0, 2)
+    assert chunk_rows(0, QWEN_I, 2) == 0
 
 
 def small_mlp(seed: int) -> llama.MLP:

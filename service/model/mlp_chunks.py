@@ -25,13 +25,14 @@ ROW_ALIGN = 128  # chunk starts on a GEMM's row tile
 
 def chunk_rows(rows: int, intermediate: int, dtype_bytes: int, budget: int = BUDGET_BYTES) -> int:
     """Tokens per MLP chunk for ``rows`` tokens and ``intermediate`` (this rank's I) columns:
-    ``rows`` itself when the intermediates fit ``budget``, else the equal share of the fewest
+    ``rows`` itself when the intermediates fit ``budget`` (an empty call too: the whole path,
+    as before chunks were sized), else the equal share of the fewest
     chunks that fit, rounded up to ``ROW_ALIGN`` rows (so a chunk may exceed the budget by under
     ``ROW_ALIGN`` rows' worth)."""
-    if rows <= 0 or intermediate <= 0 or dtype_bytes <= 0:
+    if rows < 0 or intermediate <= 0 or dtype_bytes <= 0:
         raise ValueError(
-            f"rows {rows}, intermediate {intermediate} and dtype_bytes {dtype_bytes} must be "
-            "positive"
+            f"rows {rows} must not be negative, intermediate {intermediate} and dtype_bytes "
+            f"{dtype_bytes} must be positive"
         )
     fit = max(1, budget // (3 * intermediate * dtype_bytes))
     if rows <= fit:
