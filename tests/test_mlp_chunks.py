@@ -126,8 +126,9 @@ def test_the_row_parallel_projection_writes_the_summed_rows_into_the_given_rows(
         assert bool((out[:10] == 7).all()) and bool((out[20:] == 7).all())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("backend", ["full", "breakable"])
-def test_a_captured_bucket_replays_the_chunked_mlp_and_equals_eager(backend, monkeypatch):
+def test_a_captured_bucket_replays_the_chunked_mlp_and_equals_eager(backend, device, monkeypatch):
     """With a budget of 100 tokens, the 256-token bucket is captured with the MLP in two chunks
     of 128 (inside the graphs), and its replay of a live 108-token batch equals the eager
     forward, which runs those 108 tokens whole."""
@@ -144,7 +145,7 @@ def test_a_captured_bucket_replays_the_chunked_mlp_and_equals_eager(backend, mon
 
     monkeypatch.setattr(llama, "chunk_rows", recorded)
     slots = 4 if backend == "full" else None
-    e = Engine(graph_cfg(backend, buckets=(256,), full_request_slots=slots))
+    e = Engine(graph_cfg(backend, device, buckets=(256,), full_request_slots=slots))
     try:
         assert (256, 128) in seen  # the capture took the chunked path
         w = e.executor.worker
