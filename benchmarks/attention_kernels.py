@@ -13,6 +13,12 @@ the context length, then requests of the context length).
 forward (``RaggedReplan`` on a CUDA-graph wrapper, as ``full`` and the segment backends plan):
 the whole call, and two of its parts timed alone, FlashInfer's compiled plan call and our copy
 of the indptrs to the device. What is left is our Python around them.
+
+``--balance`` adds, for FA3, the same call after the service's SM90 schedule rewrite
+(``SM90Rebalance``: FlashInfer's work items dealt again longest first) in alternating rounds,
+with the host us of the rewrite and the largest difference from FlashInfer's schedule's output
+(0 expected: the same items, on other CTAs); ``--lengths`` lists more batches to measure
+(request lengths, batches separated by ``;``).
 """
 
 from __future__ import annotations
@@ -103,6 +109,87 @@ def replan_costs(
     }
 
 
+def balance_rows(
+    qo: torch.Tensor,
+    qkv: tuple[torch.Tensor, ...],
+    heads: tuple[int, int, int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """FA3 with FlashInfer's schedule against the rebalanced one, ``args.rounds`` rounds each,
+    alternating: device us per call (each round's), host us of the rewrite, the makespans in
+    FlashInfer's cost model, and the largest output difference."""
+    import flashinfer
+    import numpy as np
+
+    from service.ranks.attention.sm90_balance import item_costs, makespan, snake, tile_rows
+    from service.ranks.attention.sm90_schedule import ITEM_FIELDS, SM90Rebalance
+
+    q, k, v = qkv
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+    plan = ragged_plan(w, heads)
+    balance = SM90Rebalance(q.device)
+    out = torch.empty_like(q)
+    got: dict[str, Any] = {"fi_us": [], "ours_us": []}
+    outs = {}
+    for _ in range(args.rounds):
+        for arm in ("fi", "ours"):
+            plan(qo)
+            if arm == "ours" and not balance(w, heads[2]):
+                got["ours_us"].append(None)  # FlashInfer's schedule was as short
+                continue
+            got[f"{arm}_us"].append(graph_us(lambda: w.run(q, k, v, out=out), args.calls, 10))
+            w.run(q, k, v, out=out)
+            outs[arm] = out.clone()
+    if "ours" in outs:
+        got["max_abs_diff"] = (outs["fi"].float() - outs["ours"].float()).abs().max().item()
+        plan(qo)
+        got["plan_us"] = host_ms(lambda: plan(qo), args.repeats) * 1e3
+        got["plan_balance_us"] = (
+            host_ms(lambda: (plan(qo), balance(w, heads[2])), args.repeats) * 1e3
+        )
+    # the cost model's view: FlashInfer's busiest CTA, ours, and the longest item
+    plan(qo)
+    layout = balance._layout(w)
+    if layout is not None:
+        host = w._pin_memory_int_workspace_buffer.numpy().view(np.int32)
+        at = layout.at
+        wi = host[at["work_indptr"] : at["work_indptr"] + balance.num_ctas + 1].astype(np.int64)
+        n = int(wi[-1])
+        items = {f: host[at[f] : at[f] + n] for f in ITEM_FIELDS}
+        costs = item_costs(items["tile"], items["qo_len"], items["kv_len"], tile_rows(heads[2]))
+        ours = snake(costs, balance.num_ctas)
+        got.update(
+            items=n,
+            fi_makespan=makespan(costs, wi),
+            ours_makespan=makespan(costs[ours.order], ours.work_indptr),
+            longest=int(costs.max()),
+            mean=float(costs.sum() / balance.num_ctas),
+        )
+    return got
+
+
+def print_balance(name: str, got: dict[str, Any]) -> None:
+    fi = [x for x in got["fi_us"] if x is not None]
+    ours = [x for x in got["ours_us"] if x is not None]
+    model = (
+        f"model {got['fi_makespan']}/{got['ours_makespan']} (longest {got['longest']}, "
+        f"mean {got['mean']:.0f}, {got['items']} items)"
+        if "items" in got
+        else ""
+    )
+    if not ours:
+        print(f"  {name}: kept FlashInfer's schedule; fa3 {min(fi):.2f} us  {model}", flush=True)
+        return
+    print(
+        f"  {name}: fa3 {' '.join(f'{x:.2f}' for x in fi)} us, rebalanced "
+        f"{' '.join(f'{x:.2f}' for x in ours)} us ({min(ours) / min(fi):.3f}); plan "
+        f"{got['plan_us']:.1f} us, with the rewrite {got['plan_balance_us']:.1f}; max diff "
+        f"{got['max_abs_diff']:.4f}; {model}",
+        flush=True,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--buckets", default="16,64,256,1024,2048,4096,8192")
@@ -112,6 +199,9 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=28, help="calls per graph (the model's layers)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--replan", action="store_true", help="the service's replan, and its parts")
+    ap.add_argument("--balance", action="store_true", help="FA3 with the SM90 schedule rewrite")
+    ap.add_argument("--lengths", default="", help="more batches: 1000,700,348;3000,1000")
+    ap.add_argument("--rounds", type=int, default=3, help="--balance: rounds of each schedule")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import flashinfer
@@ -123,8 +213,10 @@ def main() -> int:
     rows = []
     head = " ".join(f"{k + ' us':>9} {k + ' plan':>9}" for k in kernels)
     print(f"{'bucket':>6} {'reqs':>4} {head}")
-    for bucket in (int(b) for b in args.buckets.split(",")):
-        lengths = partition_bucket(bucket, args.context_length)
+    batches = [partition_bucket(int(b), args.context_length) for b in args.buckets.split(",")]
+    batches += [[int(x) for x in b.split(",")] for b in args.lengths.split(";") if b]
+    for lengths in batches:
+        bucket = sum(lengths)
         qo = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         qo[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
         qkv = tuple(
@@ -152,6 +244,9 @@ def main() -> int:
                 cells += f"  {k} replan: no fast path"
         diff = f"  max diff {row['max_abs_diff']:.4f}" if "max_abs_diff" in row else ""
         print(f"{bucket:>6} {len(lengths):>4} {cells}{diff}", flush=True)
+        if args.balance:
+            row["balance"] = balance_rows(qo, qkv, (hq, hkv, d), args)
+            print_balance(",".join(map(str, lengths)), row["balance"])
     if args.out:
         Path(args.out).write_text(json.dumps({
             "rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__,

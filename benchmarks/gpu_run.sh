@@ -169,10 +169,11 @@ for what in "$@"; do
       # AB_TIMELINE: buckets placed on the profiler's clock in both arms
       # AB_ROUNDS (default 1): old, new, old, new, ... so that a drifting host falls on both;
       # AB_OLD_ARGS / AB_NEW_ARGS: more arguments for one arm (with abtest/old holding the same
-      # tree, an A/B of a flag: AB_OLD_ARGS="--gate-up-kernel torch")
+      # tree, an A/B of a flag: AB_OLD_ARGS="--gate-up-kernel torch"); AB_OLD_TREE: the old arm's
+      # tree instead of abtest/old ("." : this tree, an A/B of a flag alone)
       for round in $(seq "${AB_ROUNDS:-1}"); do
         for tree in old new; do
-          PP=$PYTHONPATH; [ $tree = old ] && PP="$PWD/abtest/old:$PYTHONPATH"
+          PP=$PYTHONPATH; [ $tree = old ] && PP="$PWD/${AB_OLD_TREE:-abtest/old}:$PYTHONPATH"
           EXTRA=${AB_NEW_ARGS:-}; [ $tree = old ] && EXTRA=${AB_OLD_ARGS:-}
           TAIL=14 step ab_${tree}_$round 240 env PYTHONPATH="$PP" python3 benchmarks/prefill_graphs.py \
             --iters 20 --backends "${AB_BACKENDS:-breakable,tc_piecewise}" \

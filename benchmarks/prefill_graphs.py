@@ -398,6 +398,7 @@ def main() -> int:
     ap.add_argument("--gate-up-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--rope-store-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--splitk-norm-kernel", choices=("auto", "triton", "torch"), default="auto")
+    ap.add_argument("--prefill-schedule", choices=("auto", "balanced", "own"), default="auto")
     ap.add_argument("--hf-compiled", default="", help="token counts to measure HF compiled at")
     ap.add_argument(
         "--kernel-count-buckets",
@@ -429,6 +430,8 @@ def main() -> int:
         rope_store_kernel=args.rope_store_kernel,
         splitk_norm_kernel=args.splitk_norm_kernel,
         decode=DecodeGraphConfig(enabled=False),
+        # named only when asked for, so that an A/B arm of an older tree (no such field) runs
+        **({"prefill_schedule": args.prefill_schedule} if args.prefill_schedule != "auto" else {}),
     )
     buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
     rows: dict[int, dict] = {}

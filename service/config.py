@@ -30,6 +30,8 @@ GateUpName = Literal["auto", "triton", "torch"]
 GATE_UP_KERNELS: tuple[str, ...] = ("auto", "triton", "torch")
 ROPE_STORE_KERNELS: tuple[str, ...] = GATE_UP_KERNELS  # the same three choices
 SPLITK_NORM_KERNELS: tuple[str, ...] = GATE_UP_KERNELS
+ScheduleName = Literal["auto", "balanced", "own"]
+PREFILL_SCHEDULES: tuple[str, ...] = ("auto", "balanced", "own")
 
 DEFAULT_CONTEXT_LENGTH_CAP = 4096  # used when the model allows more and the user sets nothing
 DEFAULT_CHUNKED_PREFILL_CPU = 2048
@@ -133,6 +135,10 @@ class EngineConfig:
     # takes the Triton kernel on sm90 with one rank (service.model.splitk_policy says at which
     # token counts), else cuBLAS's projection, then the norm
     splitk_norm_kernel: GateUpName = "auto"
+    # which SM runs which work item of FlashInfer's FA3 prefill kernel: "auto" deals them longest
+    # first across heads where FA3 runs (service.ranks.attention.sm90_balance), "own" keeps
+    # FlashInfer's schedule
+    prefill_schedule: ScheduleName = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -159,6 +165,11 @@ class EngineConfig:
             raise ConfigError(
                 f"unsupported splitk_norm kernel {self.splitk_norm_kernel!r}; "
                 f"supported: {list(SPLITK_NORM_KERNELS)}"
+            )
+        if self.prefill_schedule not in PREFILL_SCHEDULES:
+            raise ConfigError(
+                f"unsupported prefill schedule {self.prefill_schedule!r}; "
+                f"supported: {list(PREFILL_SCHEDULES)}"
             )
         if self.flashinfer_kernel not in FLASHINFER_KERNELS:
             raise ConfigError(

@@ -43,6 +43,9 @@ class RankInfo:
     rope_store: BackendChoice
     # o_proj / down + add-RMSNorm: "triton" (split over K, summed by the norm) or "torch"
     splitk_norm: BackendChoice
+    # which SM runs which prefill attention work item: "balanced" (FA3's items dealt longest
+    # first) or "own" (the kernel's schedule)
+    prefill_schedule: BackendChoice
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -58,6 +61,7 @@ _SHARED_CHOICES = (
     ("gate_up", "gate_up kernels", "--gate-up-kernel"),
     ("rope_store", "rope_store kernels", "--rope-store-kernel"),
     ("splitk_norm", "splitk_norm kernels", "--splitk-norm-kernel"),
+    ("prefill_schedule", "prefill schedules", "--prefill-schedule"),
 )
 
 

@@ -81,6 +81,7 @@ class ResolvedConfig:
         model, attention = limits.pop("model_dir"), limits.pop("attention")
         kernels, gate_up = limits.pop("kernels"), limits.pop("gate_up")
         rope_store, splitk_norm = limits.pop("rope_store"), limits.pop("splitk_norm")
+        schedule = limits.pop("prefill_schedule")
         return {
             "model": model,
             **limits,
@@ -89,6 +90,7 @@ class ResolvedConfig:
             "gate_up_kernel": gate_up,
             "rope_store_kernel": rope_store,
             "splitk_norm_kernel": splitk_norm,
+            "prefill_schedule": schedule,
             "tp": self.tp,
             "executor": self.executor,
             "prefill_backend": self.plan.backend,

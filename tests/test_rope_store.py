@@ -74,7 +74,7 @@ def test_ranks_that_chose_different_kernels_are_refused_with_the_flag_to_pass():
                     max_running_requests=8, num_kv_slots=1000, chunked_prefill_size=2048,
                     vocab_size=100, eos_token_ids=(1,), model_dir="m", architecture="a",
                     attention=same, kernels=same, gate_up=same, rope_store=same,
-                    splitk_norm=same)  # fmt: skip
+                    splitk_norm=same, prefill_schedule=same)  # fmt: skip
     other = replace(base, rank=1, num_kv_slots=900)
     assert agree_rank_infos([base, other]) == replace(base, num_kv_slots=900)
     for field, what, flag in [
@@ -83,6 +83,7 @@ def test_ranks_that_chose_different_kernels_are_refused_with_the_flag_to_pass():
         ("gate_up", "gate_up kernels", "--gate-up-kernel"),
         ("rope_store", "rope_store kernels", "--rope-store-kernel"),
         ("splitk_norm", "splitk_norm kernels", "--splitk-norm-kernel"),
+        ("prefill_schedule", "prefill schedules", "--prefill-schedule"),
     ]:
         odd = replace(other, **{field: BackendChoice("triton", "auto: x")})
         with pytest.raises(ConfigError) as err:

@@ -13,6 +13,7 @@ from service.config import (
     DEFAULT_STEP_TIMEOUT_S,
     FLASHINFER_KERNELS,
     GATE_UP_KERNELS,
+    PREFILL_SCHEDULES,
     ROPE_STORE_KERNELS,
     SPLITK_NORM_KERNELS,
     DecodeGraphConfig,
@@ -167,6 +168,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         help="FlashInfer prefill kernels: auto (FlashInfer's choice, fa3 on Hopper), fa2, fa3",
     )
     p.add_argument(
+        "--prefill-schedule",
+        choices=PREFILL_SCHEDULES,
+        default="auto",
+        help="which SM runs which work item of FlashInfer's FA3 prefill kernel: auto (balanced "
+        "where FA3 runs: longest items first across heads), balanced, own (FlashInfer's)",
+    )
+    p.add_argument(
         "--fused-kernels",
         choices=ATTENTION_BACKENDS,
         default="auto",
@@ -253,6 +261,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         step_timeout_s=args.step_timeout,
         attention_backend=args.attention_backend,
         flashinfer_kernel=args.flashinfer_kernel,
+        prefill_schedule=args.prefill_schedule,
         fused_kernels=args.fused_kernels,
         gate_up_kernel=args.gate_up_kernel,
         rope_store_kernel=args.rope_store_kernel,

@@ -225,6 +225,40 @@ def choose_splitk_norm(
                   untuned)  # fmt: skip
 
 
+def choose_prefill_schedule(
+    requested: str,
+    attention: str,
+    flashinfer_kernel: str,
+    capability: tuple[int, int] | None,
+    mla: bool,
+) -> BackendChoice:
+    """Which SM runs which work item of the prefill attention kernel: "balanced" (FlashInfer's
+    FA3 items dealt again longest first across heads, service.ranks.attention.sm90_balance) or
+    "own" (the kernel's own schedule). Only FA3 takes a schedule from the host."""
+    flag = "--prefill-schedule"
+    blocker = None
+    if attention != "flashinfer":
+        blocker = f"prefill attention is {attention}'s, not FlashInfer's FA3"
+    elif mla:
+        blocker = "MLA's prefill attention runs on torch"
+    elif flashinfer_kernel == "fa2":
+        blocker = "FlashInfer's FA2 kernel schedules itself (--flashinfer-kernel fa2)"
+    elif capability is None or capability[0] != 9:
+        where = "a CPU" if capability is None else f"sm{_sm(capability)}"
+        blocker = f"FlashInfer runs FA3 on sm90 only (this rank runs on {where})"
+    if requested == "own":
+        return BackendChoice("own", f"asked for ({flag} own)")
+    if requested == "balanced":
+        if blocker is not None:
+            raise ConfigError(f"{flag} balanced cannot run here: {blocker}; use {flag} auto or own")
+        return BackendChoice("balanced", f"asked for ({flag} balanced)")
+    if requested != "auto":
+        raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, balanced, own")
+    if blocker is None:
+        return BackendChoice("balanced", "auto: FA3 on sm90, its items dealt longest first")
+    return BackendChoice("own", f"auto: {blocker}")
+
+
 def triton_import_error() -> str | None:
     """None when ``import triton`` works, else the error's one-line text."""
     try:

@@ -41,6 +41,7 @@ from service.ranks.select import (
     choose_attention,
     choose_gate_up,
     choose_kernels,
+    choose_prefill_schedule,
     choose_rope_store,
     choose_splitk_norm,
     flashinfer_import_error,
@@ -165,7 +166,13 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
             "attention, several times slower than eager prefill for MLA (docs/benchmarks.md); "
             "use --prefill-backend breakable"
         )
-    eager, graph, decode = attention_backends(choice, cfg, model, kv, req_to_token)
+    schedule = choose_prefill_schedule(
+        cfg.prefill_schedule, choice.name, cfg.flashinfer_kernel, capability, arch.mla is not None
+    )
+    log.info("Prefill schedule: %s (%s)", schedule.name, schedule.reason)
+    eager, graph, decode = attention_backends(
+        choice, cfg, model, kv, req_to_token, balanced=schedule.name == "balanced"
+    )
     info = RankInfo(
         rank=tp.rank,
         device=str(device),
@@ -183,6 +190,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         gate_up=gate_up,
         rope_store=rope_store,
         splitk_norm=splitk_norm,
+        prefill_schedule=schedule,
     )
     return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, decode, info)
 
@@ -206,9 +214,10 @@ def attention_backends(
     model: CausalLM,
     kv: TokenKVPool,
     req_to_token: ReqToTokenPool,
+    balanced: bool = False,
 ) -> tuple[AttentionBackend, AttentionBackend, AttentionBackend]:
     """(eager attention, graph-safe attention of the ``full`` backend, graph-safe decode
-    attention) for the choice."""
+    attention) for the choice; ``balanced``: FA3 prefill plans are dealt again (sm90_balance)."""
     args = (model.registry, kv, req_to_token)
     mla = model.cfg.mla
     if choice.name == "flashinfer" and mla is None:
@@ -218,9 +227,9 @@ def attention_backends(
         )
         from service.ranks.attention.flashinfer_decode import FlashInferDecodeGraphAttention
 
-        eager = FlashInferAttention(*args, kernel=cfg.flashinfer_kernel)
+        eager = FlashInferAttention(*args, kernel=cfg.flashinfer_kernel, balanced=balanced)
         shared = {"kernel": cfg.flashinfer_kernel, "workspace": eager.workspace}
-        graph = FlashInferGraphAttention(*args, **shared)
+        graph = FlashInferGraphAttention(*args, **shared, balanced=balanced)
         decode = FlashInferDecodeGraphAttention(*args, max_size=req_to_token.num_rows, **shared)
         return eager, graph, decode
     from service.ranks.attention.torch_decode import TorchDecodeAttention

@@ -53,6 +53,7 @@ from service.ranks.attention.base import (
 from service.ranks.attention.flashinfer_replan import RaggedReplan
 from service.ranks.attention.paged_layout import PagedLayout, indptr, paged_layout
 from service.ranks.attention.recorded_launch import recorded_launch
+from service.ranks.attention.sm90_schedule import SM90Rebalance
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool, TokenKVPool
 
@@ -82,6 +83,7 @@ class FlashInferBase(PlannedAttention):
         req_to_token: ReqToTokenPool,
         kernel: str = "auto",
         workspace: torch.Tensor | None = None,
+        balanced: bool = False,
     ) -> None:
         super().__init__(registry, kv, req_to_token)
         import flashinfer  # the `gpu` extra; select.py decided it is importable
@@ -99,6 +101,13 @@ class FlashInferBase(PlannedAttention):
         paths = registry.keys()
         self.shapes = {key: HeadShape.of(registry.spec(key)) for key in paths}
         self.head_shapes = tuple(dict.fromkeys(self.shapes.values()))  # distinct, in order
+        # FA3 prefill plans dealt again, longest items first (startup's prefill schedule)
+        self.balance = SM90Rebalance(self.device) if balanced else None
+
+    def _balanced(self, wrapper: Any, shape: HeadShape) -> None:
+        """After a prefill plan of ``wrapper``: its FA3 schedule dealt again, where chosen."""
+        if self.balance is not None:
+            self.balance(wrapper, shape.head_dim)
 
     def _paged_cache(self, spec: AttentionSpec) -> torch.Tensor:
         # (num_slots+1, 2, Hkv, D) -> (pages, 2, page_size 1, Hkv, D): FlashInfer's combined
@@ -259,12 +268,14 @@ class FlashInferAttention(FlashInferBase):
                 qo, qo, s.num_heads, s.num_kv_heads, s.head_dim,
                 causal=True, sm_scale=s.scale, **dtypes,
             )  # fmt: skip
+            self._balanced(wrapper, s)
         elif path == "paged":
             wrapper.plan(
                 qo, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
                 s.num_heads, s.num_kv_heads, s.head_dim, 1,
                 causal=True, sm_scale=s.scale, **dtypes, **host_lengths(pl),
             )  # fmt: skip
+            self._balanced(wrapper, s)
         else:
             wrapper.plan(
                 pl.kv_indptr, kv_indices, pl.kv_last_page_len,
@@ -422,7 +433,9 @@ class FlashInferGraphAttention(FlashInferBase):
                     causal=True, sm_scale=shape.scale, **dtypes,
                 )  # fmt: skip
 
-            got = self._replans[key] = RaggedReplan(wrapper, bufs.indptrs, plan)
+            got = self._replans[key] = RaggedReplan(
+                wrapper, bufs.indptrs, plan, after=lambda: self._balanced(wrapper, shape)
+            )
         return got
 
     def prepare(
@@ -450,11 +463,13 @@ class FlashInferGraphAttention(FlashInferBase):
         pl = paged_layout(live, self.req_to_token.context_length, num_slots, self.pin)
         kv_indices = pl.kv_indices(self.req_to_token.table)
         for shape in self.head_shapes:
-            self._wrapper(bucket, shape, variant, bufs).plan(
+            wrapper = self._wrapper(bucket, shape, variant, bufs)
+            wrapper.plan(
                 pl.qo_indptr, pl.kv_indptr, kv_indices, pl.kv_last_page_len,
                 shape.num_heads, shape.num_kv_heads, shape.head_dim, 1,
                 causal=True, sm_scale=shape.scale, **dtypes, **host_lengths(pl),
             )  # fmt: skip
+            self._balanced(wrapper, shape)
 
     def ragged_launchers(self, bucket: int, calls: AttendCalls, num_real: int) -> list[Launcher]:
         """Eager launches of the ragged wrappers of ``bucket`` over a segment runner's calls,

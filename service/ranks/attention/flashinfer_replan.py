@@ -38,11 +38,18 @@ class RaggedReplan:
     indptr buffers; ``plan`` is FlashInfer's plan of the wrapper for a host indptr."""
 
     def __init__(
-        self, wrapper: Any, indptrs: torch.Tensor, plan: Callable[[torch.Tensor], None]
+        self,
+        wrapper: Any,
+        indptrs: torch.Tensor,
+        plan: Callable[[torch.Tensor], None],
+        after: Callable[[], object] | None = None,
     ) -> None:
         self.wrapper = wrapper
         self.indptrs = indptrs
         self._plan = plan
+        # after every plan, once FlashInfer's schedule is written and its copy queued (the FA3
+        # schedule dealt again: flashinfer_backend's _balanced)
+        self._after = after
         self._call: Callable[[], Any] | None = None  # the module's plan, arguments bound
         self._info: Any = None  # the first plan's info, as the module returned it
         self._recorded = False  # the first plan was made, its module call recorded if it could
@@ -83,6 +90,8 @@ class RaggedReplan:
                 self._recorded = True
                 self._first(both[0], kv_lens)
             self._mark_copied()  # FlashInfer copied the indptr from our buffer too
+            if self._after is not None:
+                self._after()
             return
         self.indptrs.copy_(both, non_blocking=True)  # the buffers the captured kernels read
         info = self._call()  # its host arrays are views of our buffer: this batch's layout
@@ -100,6 +109,8 @@ class RaggedReplan:
             )
         self.wrapper._plan_info = info
         self.fast = True
+        if self._after is not None:
+            self._after()
 
     def _mark_copied(self) -> None:
         if self._copied is not None:

@@ -1,0 +1,93 @@
+"""Which CTA runs which work item of FlashInfer's SM90 (FA3) prefill kernel: a pure policy on
+numpy arrays, no torch.
+
+Why: FlashInfer's SM90 plan hands the work items (one per query tile of 128 rows, per request,
+per query head) to a persistent grid of one CTA per SM, each item to the CTA with the least
+work so far, in the order head by head and, within a head, from the last query tile to the
+first. Under a causal mask the last tile attends over the whole sequence and the first over
+one tile, so a head's short tiles fill idle CTAs before the next heads' long tiles come. At
+one sequence of 2,048 tokens and 12 heads (192 items on 132 SMs) the busiest CTA then holds
+21 tiles' worth of KV where the longest single item holds 16, the bound no reordering can
+beat: the kernel takes about a third longer than it has to. Ordering all items longest first
+(across heads) before dealing them out is the classic longest-processing-time rule.
+
+Dealt in a snake (CTA 0..n-1, then n-1..0, ...), the sorted items give each CTA one item of each
+round, the CTAs that got the longest items of one round getting the shortest of the next: close
+to the longest-first rule's heap walk (the same busiest CTA at one to four sequences of 2,048 to
+8,192 tokens; a few percent over it where a few long sequences share the batch with short ones),
+in a few vectorised numpy steps instead of a Python loop per item, because it runs on the host
+before every replay of a captured prefill. Where it would not shorten the busiest CTA of
+FlashInfer's own schedule, that schedule stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+CTA_TILE_Q = 128  # query rows per work item (FlashInfer's SM90 plan: 192 at head_dim 64)
+
+
+def tile_rows(head_dim: int) -> int:
+    return 192 if head_dim == 64 else CTA_TILE_Q
+
+
+def item_costs(
+    tile: np.ndarray, qo_len: np.ndarray, kv_len: np.ndarray, rows: int = CTA_TILE_Q
+) -> np.ndarray:
+    """FlashInfer's own cost model of a causal work item, in KV rows: twice the query tile (the
+    fixed part: load Q, write O) plus the KV rows its tile attends over (right-aligned: a
+    request with a cached prefix attends over the prefix too)."""
+    tile, qo_len, kv_len = (np.asarray(a, dtype=np.int64) for a in (tile, qo_len, kv_len))
+    last = tile + 1 == -(-qo_len // rows)
+    causal_end = np.clip(kv_len - qo_len + (tile + 1) * rows, 0, kv_len)
+    return 2 * rows + np.where(last, kv_len, causal_end)
+
+
+def makespan(costs: np.ndarray, work_indptr: np.ndarray) -> int:
+    """The busiest CTA's cost when CTA i runs items work_indptr[i]:work_indptr[i+1]."""
+    if costs.shape[0] == 0:
+        return 0
+    sums = np.add.reduceat(np.append(costs, 0), work_indptr[:-1])
+    sums[work_indptr[:-1] == work_indptr[1:]] = 0  # reduceat gives an empty range one item
+    return int(sums.max())
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Items in the order the CTAs take them (``order[j]``: the plan's item that goes j-th) and
+    each CTA's range of that order."""
+
+    order: np.ndarray  # (n,) int64: a permutation of the plan's items
+    work_indptr: np.ndarray  # (num_ctas+1,) int64, from 0 to n
+
+
+def snake(costs: np.ndarray, num_ctas: int) -> Schedule:
+    """Longest items first, dealt to the CTAs in a snake; ties keep the plan's order."""
+    if num_ctas <= 0:
+        raise ValueError(f"num_ctas {num_ctas} must be positive")
+    n = costs.shape[0]
+    by_cost = np.argsort(-np.asarray(costs), kind="stable")
+    pos = np.arange(n)
+    rnd, col = np.divmod(pos, num_ctas)
+    cta = np.where(rnd % 2 == 0, col, num_ctas - 1 - col)
+    # grouped by CTA, each CTA's items longest first (the order they were dealt)
+    order = by_cost[np.lexsort((pos, cta))]
+    work_indptr = np.zeros(num_ctas + 1, dtype=np.int64)
+    np.cumsum(np.bincount(cta, minlength=num_ctas), out=work_indptr[1:])
+    return Schedule(order=order, work_indptr=work_indptr)
+
+
+def rebalanced(costs: np.ndarray, work_indptr: np.ndarray) -> Schedule | None:
+    """The snake schedule of these items over as many CTAs as ``work_indptr`` has, or None where
+    it would not shorten the busiest CTA of the plan's schedule (``work_indptr``, the plan's
+    items in their order): with no more items than CTAs every item has a CTA of its own
+    either way."""
+    num_ctas = work_indptr.shape[0] - 1
+    if costs.shape[0] <= num_ctas:
+        return None
+    ours = snake(costs, num_ctas)
+    if makespan(costs[ours.order], ours.work_indptr) >= makespan(costs, work_indptr):
+        return None
+    return ours

@@ -1,0 +1,126 @@
+"""FlashInfer's FA3 prefill schedule dealt again (service.ranks.attention.sm90_schedule), on an
+sm90 GPU: the device runs the rewritten schedule, every item once, and the attention output is
+bit-identical to FlashInfer's schedule's, in a wrapper alone and through the service's graphs.
+
+Skipped without CUDA (the `gpu` marker), without FlashInfer, or off sm90 (FA3 runs there only).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from service.ranks.select import flashinfer_import_error
+
+
+def _needs_fa3():
+    if not torch.cuda.is_available():
+        return pytest.mark.skip(reason="gpu: needs a CUDA device; none on this machine")
+    err = flashinfer_import_error()
+    if err is not None:
+        return pytest.mark.skip(reason=f"needs FlashInfer (the gpu extra): {err}")
+    major = torch.cuda.get_device_capability()[0]
+    return pytest.mark.skipif(major != 9, reason=f"FA3 runs on sm90 only, not sm{major}x")
+
+
+pytestmark = [pytest.mark.gpu, _needs_fa3()]
+
+HEADS = (12, 2, 128)  # Qwen2.5-1.5B's query heads, KV heads, head dim
+
+
+def items_on_device(w, balance) -> tuple[np.ndarray, np.ndarray]:
+    """The schedule the kernel will read: (n, 7) items in CTA order, and the CTA ranges."""
+    from service.ranks.attention.sm90_schedule import ITEM_FIELDS
+
+    torch.cuda.synchronize()
+    ints = w._int_workspace_buffer.view(torch.int32).cpu().numpy()
+    layout = balance._layout(w)
+    at = layout.at
+    wi = ints[at["work_indptr"] : at["work_indptr"] + balance.num_ctas + 1].copy()
+    n = int(wi[-1])
+    return np.stack([ints[at[f] : at[f] + n] for f in ITEM_FIELDS], 1), wi
+
+
+@pytest.mark.parametrize("lens", [[2048], [1000, 700, 348], [3000, 1000, 50, 48], [4096]])
+def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens):
+    import flashinfer
+
+    from service.ranks.attention.sm90_balance import item_costs, makespan
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    dev = torch.device("cuda")
+    hq, hkv, d = HEADS
+    t = sum(lens)
+    gen = torch.Generator(device=dev).manual_seed(len(lens))
+    q, k, v = (torch.randn(t, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
+               for h in (hq, hkv, hkv))  # fmt: skip
+    qo = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+    w.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+    balance = SM90Rebalance(dev)
+    theirs, their_wi = items_on_device(w, balance)
+    want = w.run(q, k, v)
+    assert balance(w, d)
+    ours, our_wi = items_on_device(w, balance)
+    # the same items (request, tile, head and their ranges), each once, on other CTAs
+    assert sorted(map(tuple, ours.tolist())) == sorted(map(tuple, theirs.tolist()))
+    assert not np.array_equal(our_wi, their_wi)
+
+    def busiest(items: np.ndarray, wi: np.ndarray) -> int:  # columns: tile, ..., qo_len, kv_len
+        return makespan(item_costs(items[:, 0], items[:, 3], items[:, 4]), wi.astype(np.int64))
+
+    assert busiest(ours, our_wi) < busiest(theirs, their_wi)
+    assert torch.equal(w.run(q, k, v), want)
+    assert balance.applied == 1
+
+
+def test_the_service_replays_the_dealt_schedule_bit_for_bit(tmp_path):
+    """A model with Qwen2.5-1.5B's heads (12 query heads: 192 work items at 2,048 tokens, more
+    than the SMs), `full` and `breakable`, the balanced schedule against FlashInfer's: the same
+    logits bit for bit, and the balanced engines really rewrote their plans."""
+    from service.config import EngineConfig, GraphConfig
+    from service.engine import Engine
+    from tests.fi_model import FI_CONFIG, write_fi_model
+
+    model = write_fi_model(tmp_path / "m")
+    heads = {"hidden_size": 1536, "num_attention_heads": 12, "num_key_value_heads": 2}
+    cfg_json = {**FI_CONFIG, **heads, "intermediate_size": 2048, "num_hidden_layers": 2}
+    (model / "config.json").write_text(json.dumps(cfg_json))
+    base = EngineConfig(
+        model_path=str(model), load_format="random", dtype="bfloat16", device="cuda",
+        context_length=4096, max_running_requests=4, chunked_prefill_size=4096,
+        kv_cache_memory_bytes=256 << 20, attention_backend="flashinfer",
+    )  # fmt: skip
+    from tests.test_flashinfer import prefill_results
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (2040, 1400, 600)]
+
+    for backend in ("full", "breakable"):
+        graph = GraphConfig(backend=backend, buckets=(2048,),
+                            full_request_slots=2 if backend == "full" else None)  # fmt: skip
+        logits = {}
+        for schedule in ("balanced", "own"):
+            e = Engine(replace(base, graph=graph, prefill_schedule=schedule))
+            try:
+                assert e.resolved.limits.prefill_schedule.name == schedule
+                e.return_logits = True
+                got = prefill_results(e, [prompts[0]]) + prefill_results(e, prompts[1:])
+                assert all(r.record.graph_hit for _, r in got)
+                logits[schedule] = [r.logits for _, r in got]
+                setup = e.executor.worker.setup
+                applied = sum(
+                    a.balance.applied for a in (setup.eager_attention, setup.graph_attention)
+                    if getattr(a, "balance", None) is not None
+                )  # fmt: skip
+                assert (applied > 0) == (schedule == "balanced"), (backend, applied)
+            finally:
+                e.shutdown()
+        for a, b in zip(logits["balanced"], logits["own"], strict=True):
+            assert torch.equal(a, b), backend
