@@ -150,9 +150,9 @@ def balance_rows(
         )
     # the cost model's view: FlashInfer's busiest CTA, ours, and the longest item
     plan(qo)
-    layout = balance._layout(w)
-    if layout is not None:
-        host = w._pin_memory_int_workspace_buffer.numpy().view(np.int32)
+    got_layout = balance._layout(w)
+    if got_layout is not None:
+        layout, host = got_layout
         at = layout.at
         wi = host[at["work_indptr"] : at["work_indptr"] + balance.num_ctas + 1].astype(np.int64)
         n = int(wi[-1])

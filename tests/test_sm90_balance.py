@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -94,3 +95,46 @@ def test_the_snake_deals_each_cta_one_item_a_round(costs, ctas):
     for i in range(ctas):  # each CTA's items longest first
         mine = c[s.order[s.work_indptr[i] : s.work_indptr[i + 1]]]
         assert np.all(np.diff(mine) <= 0)
+
+
+def test_the_schedule_is_balanced_where_fa3_runs_and_says_why_elsewhere():
+    from service.errors import ConfigError
+    from service.ranks.select import choose_prefill_schedule as choose
+
+    assert choose("auto", "flashinfer", "auto", (9, 0), mla=False).name == "balanced"
+    assert choose("auto", "flashinfer", "fa3", (9, 0), mla=False).name == "balanced"
+    why = {
+        "torch attention": choose("auto", "torch", "auto", (9, 0), mla=False),
+        "FA2": choose("auto", "flashinfer", "fa2", (9, 0), mla=False),
+        "Blackwell": choose("auto", "flashinfer", "auto", (10, 0), mla=False),
+        "CPU": choose("auto", "torch", "auto", None, mla=False),
+        "MLA": choose("auto", "flashinfer", "auto", (9, 0), mla=True),
+    }
+    assert {c.name for c in why.values()} == {"own"}
+    assert (
+        "torch's" in why["torch attention"].reason
+        and "--flashinfer-kernel fa2" in why["FA2"].reason
+    )
+    assert "sm100" in why["Blackwell"].reason and "MLA" in why["MLA"].reason
+    assert (
+        choose("own", "flashinfer", "auto", (9, 0), mla=False).reason
+        == "asked for (--prefill-schedule own)"
+    )
+    with pytest.raises(ConfigError, match=r"--prefill-schedule balanced cannot run here: .*FA2"):
+        choose("balanced", "flashinfer", "fa2", (9, 0), mla=False)
+
+
+def test_server_info_reports_the_schedule_and_why():
+    """The built-in model on CPU: torch attention, so FlashInfer's schedule is not in play."""
+    from service.config import EngineConfig, GraphConfig
+    from service.engine import Engine
+
+    e = Engine(EngineConfig(device="cpu", graph=GraphConfig(backend="eager")))
+    try:
+        got = e.resolved.to_json()["prefill_schedule"]
+    finally:
+        e.shutdown()
+    assert got == {
+        "name": "own",
+        "reason": "auto: prefill attention is torch's, not FlashInfer's FA3",
+    }

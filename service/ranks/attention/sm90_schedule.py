@@ -68,7 +68,8 @@ class SM90Rebalance:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
-        self._layouts: dict[int, tuple[Any, Layout | None]] = {}  # id(wrapper) -> info, layout
+        # id(wrapper) -> (plan info, (layout, pinned buffer's view) or None)
+        self._layouts: dict[int, tuple[Any, tuple[Layout, np.ndarray] | None]] = {}
         self._stage = torch.empty(0, dtype=torch.int32)
         self._copied = torch.cuda.Event()
         self._pending = False
@@ -80,13 +81,16 @@ class SM90Rebalance:
         """Deal ``wrapper``'s last plan again if that shortens its busiest CTA; True if done."""
         if getattr(wrapper, "_backend", None) != "fa3":
             return False
-        layout = self._layout(wrapper)
-        if layout is None:
+        got = self._layout(wrapper)
+        if got is None:
             return self._keep("the plan info is not FlashInfer's SM90 layout")
-        host = wrapper._pin_memory_int_workspace_buffer.numpy().view(np.int32)
+        layout, host = got
         at = layout.at
         work_indptr = host[at["work_indptr"] : at["work_indptr"] + self.num_ctas + 1]
         n = int(work_indptr[-1])
+        if n <= self.num_ctas:  # an item per CTA at most, in either schedule: nothing to gain
+            self.kept += 1
+            return False
         if work_indptr[0] != 0 or n > layout.capacity or np.any(np.diff(work_indptr) < 0):
             return self._keep(f"the CTA ranges {work_indptr[[0, -1]]} do not span the items")
         items = {f: host[at[f] : at[f] + n] for f in ITEM_FIELDS}
@@ -115,14 +119,18 @@ class SM90Rebalance:
         self.applied += 1
         return True
 
-    def _layout(self, wrapper: Any) -> Layout | None:
+    def _layout(self, wrapper: Any) -> tuple[Layout, np.ndarray] | None:
+        """The last plan's layout and an int32 view of the wrapper's pinned schedule buffer
+        (kept per wrapper: graph wrappers plan the same layout every time)."""
         info = wrapper._plan_info
         got = self._layouts.get(id(wrapper))
         if got is not None and (got[0] is info or bool(got[0] == info)):
             return got[1]
         layout = Layout.of(info, self.num_ctas)
-        self._layouts[id(wrapper)] = (info, layout)
-        return layout
+        host = wrapper._pin_memory_int_workspace_buffer.numpy().view(np.int32)
+        made = None if layout is None else (layout, host)
+        self._layouts[id(wrapper)] = (info, made)
+        return made
 
     def _wait(self) -> None:
         if self._pending:
