@@ -69,13 +69,14 @@ def snake(costs: np.ndarray, num_ctas: int) -> Schedule:
         raise ValueError(f"num_ctas {num_ctas} must be positive")
     n = costs.shape[0]
     by_cost = np.argsort(-np.asarray(costs), kind="stable")
-    pos = np.arange(n)
-    rnd, col = np.divmod(pos, num_ctas)
-    cta = np.where(rnd % 2 == 0, col, num_ctas - 1 - col)
-    # grouped by CTA, each CTA's items longest first (the order they were dealt)
-    order = by_cost[np.lexsort((pos, cta))]
+    # positions in the sorted list, one row a round, odd rounds dealt from the last CTA back
+    rounds = -(-n // num_ctas)
+    grid = np.arange(rounds * num_ctas).reshape(rounds, num_ctas)
+    grid[1::2] = grid[1::2, ::-1]
+    dealt = grid.T.ravel()  # CTA by CTA, each CTA's items in the order dealt (longest first)
+    order = by_cost[dealt[dealt < n]]
     work_indptr = np.zeros(num_ctas + 1, dtype=np.int64)
-    np.cumsum(np.bincount(cta, minlength=num_ctas), out=work_indptr[1:])
+    np.cumsum((grid < n).sum(0), out=work_indptr[1:])
     return Schedule(order=order, work_indptr=work_indptr)
 
 
