@@ -148,6 +148,7 @@ def balance_rows(
         got["plan_balance_us"] = (
             host_ms(lambda: (plan(qo), balance(w, heads[2])), args.repeats) * 1e3
         )
+        got["balance_us"] = balance_host_us(lambda: balance(w, heads[2]), args)
     # the cost model's view: FlashInfer's busiest CTA, ours, and the longest item
     plan(qo)
     got_layout = balance._layout(w)
@@ -169,6 +170,31 @@ def balance_rows(
     return got
 
 
+def balance_host_us(call: Any, args: argparse.Namespace) -> float:
+    """Median host us of the rewrite alone, after one plan (it reads the plan's pinned schedule
+    and queues one copy: repeatable); with ``--balance-profile``, cProfile's top functions."""
+    import cProfile
+    import pstats
+    import statistics
+    import time
+
+    samples = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    if args.balance_profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            call()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    return statistics.median(samples)
+
+
 def print_balance(name: str, got: dict[str, Any]) -> None:
     fi = [x for x in got["fi_us"] if x is not None]
     ours = [x for x in got["ours_us"] if x is not None]
@@ -184,7 +210,8 @@ def print_balance(name: str, got: dict[str, Any]) -> None:
     print(
         f"  {name}: fa3 {' '.join(f'{x:.2f}' for x in fi)} us, rebalanced "
         f"{' '.join(f'{x:.2f}' for x in ours)} us ({min(ours) / min(fi):.3f}); plan "
-        f"{got['plan_us']:.1f} us, with the rewrite {got['plan_balance_us']:.1f}; max diff "
+        f"{got['plan_us']:.1f} us, with the rewrite {got['plan_balance_us']:.1f} (alone "
+        f"{got['balance_us']:.1f}); max diff "
         f"{got['max_abs_diff']:.4f}; {model}",
         flush=True,
     )
@@ -202,6 +229,7 @@ def main() -> int:
     ap.add_argument("--balance", action="store_true", help="FA3 with the SM90 schedule rewrite")
     ap.add_argument("--lengths", default="", help="more batches: 1000,700,348;3000,1000")
     ap.add_argument("--rounds", type=int, default=3, help="--balance: rounds of each schedule")
+    ap.add_argument("--balance-profile", action="store_true", help="cProfile of the rewrite")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     import flashinfer

@@ -64,5 +64,5 @@ def _planned(eager: AttentionBackend) -> FlashInferGraphAttention | None:
         return None
     return FlashInferGraphAttention(
         eager.registry, eager.kv, eager.req_to_token, kernel=eager.kernel,
-        workspace=eager.workspace,
+        workspace=eager.workspace, balanced=eager.balance is not None,
     )  # fmt: skip
