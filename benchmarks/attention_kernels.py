@@ -151,9 +151,9 @@ def balance_rows(
         got["balance_us"] = balance_host_us(lambda: balance(w, heads[2]), args)
     # the cost model's view: FlashInfer's busiest CTA, ours, and the longest item
     plan(qo)
-    got_layout = balance._layout(w)
+    got_layout = balance._layout(w, False)
     if got_layout is not None:
-        layout, host = got_layout
+        layout, host, _ = got_layout
         at = layout.at
         wi = host[at["work_indptr"] : at["work_indptr"] + balance.num_ctas + 1].astype(np.int64)
         n = int(wi[-1])

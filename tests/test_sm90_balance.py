@@ -10,6 +10,7 @@ import heapq
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,15 +19,18 @@ from service.ranks.attention.sm90_balance import item_costs, makespan, rebalance
 H100_SMS = 132
 
 
-def flashinfer_plan(lens: list[int], heads: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
-    """Item costs in the order FlashInfer's schedule lists them (by CTA), and its CTA ranges."""
-    tiles, qo = [], []
-    for _ in range(heads):
-        for n in sorted(lens, reverse=True):  # by KV length, longest first (prefill: KV = Q)
-            for t in reversed(range(-(-n // 128))):
-                tiles.append(t)
-                qo.append(n)
-    costs = item_costs(np.array(tiles), np.array(qo), np.array(qo))
+def flashinfer_items(lens: list[int], heads: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """FlashInfer's schedule of a prefill without a cached prefix: its items by CTA, as rows of
+    (tile, qo_indptr, kv_indptr, qo_len, kv_len, head, batch) (sm90_schedule.ITEM_FIELDS), and
+    its CTA ranges."""
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    rows = []
+    for h in range(heads):
+        for i in sorted(range(len(lens)), key=lambda i: -lens[i]):  # by KV length (= Q here)
+            for t in reversed(range(-(-lens[i] // 128))):
+                rows.append((t, starts[i], starts[i], lens[i], lens[i], h, i))
+    items = np.array(rows, dtype=np.int64).reshape(-1, 7)
+    costs = item_costs(items[:, 0], items[:, 3], items[:, 4])
     load = [(0, c) for c in range(ctas)]
     cta = []
     for c in costs:
@@ -35,8 +39,14 @@ def flashinfer_plan(lens: list[int], heads: int, ctas: int) -> tuple[np.ndarray,
         cta.append(i)
     by_cta = np.argsort(np.array(cta), kind="stable")
     work_indptr = np.zeros(ctas + 1, dtype=np.int64)
-    work_indptr[1:] = np.cumsum(np.bincount(np.array(cta), minlength=ctas))
-    return costs[by_cta], work_indptr
+    work_indptr[1:] = np.cumsum(np.bincount(np.array(cta, dtype=np.int64), minlength=ctas))
+    return items[by_cta], work_indptr
+
+
+def flashinfer_plan(lens: list[int], heads: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """Item costs in the order FlashInfer's schedule lists them (by CTA), and its CTA ranges."""
+    items, work_indptr = flashinfer_items(lens, heads, ctas)
+    return item_costs(items[:, 0], items[:, 3], items[:, 4]), work_indptr
 
 
 def test_one_long_sequence_finishes_with_its_longest_tile():
@@ -138,3 +148,85 @@ def test_server_info_reports_the_schedule_and_why():
         "name": "own",
         "reason": "auto: prefill attention is torch's, not FlashInfer's FA3",
     }
+
+
+class FakeWrapper:
+    """What SM90Rebalance reads of a FlashInfer wrapper after an SM90 plan: the backend, the plan
+    info, the pinned schedule buffer the plan wrote and the int workspace its copy filled (both
+    host tensors here)."""
+
+    _backend = "fa3"
+
+    def __init__(self, items: np.ndarray, work_indptr: np.ndarray, spare: int = 5) -> None:
+        from service.ranks.attention.sm90_schedule import FIELDS, ITEM_FIELDS
+
+        n = items.shape[0]
+        at, offsets = 64, {}  # FlashInfer's allocator: in FIELDS order, 16-byte aligned
+        for f in FIELDS:
+            offsets[f] = at
+            size = 4 * (work_indptr.shape[0] if f == "work_indptr" else n + spare)
+            at = -(-(at + size) // 16) * 16
+        host = np.full(at // 4 + 32, -7, dtype=np.int32)  # -7: bytes no array owns
+        for k, f in enumerate(ITEM_FIELDS):
+            host[offsets[f] // 4 : offsets[f] // 4 + n] = items[:, k]
+        host[offsets["work_indptr"] // 4 :][: work_indptr.shape[0]] = work_indptr
+        self._plan_info = [*offsets.values(), 0]
+        self._pin_memory_int_workspace_buffer = torch.from_numpy(host.view(np.uint8))
+        self._int_workspace_buffer = self._pin_memory_int_workspace_buffer.clone()  # the copy
+        self.offsets = offsets
+
+    def device_schedule(self, ctas: int) -> tuple[np.ndarray, np.ndarray]:
+        from service.ranks.attention.sm90_schedule import ITEM_FIELDS
+
+        ints = self._int_workspace_buffer.numpy().view(np.int32)
+        wi = ints[self.offsets["work_indptr"] // 4 :][: ctas + 1]
+        n = int(wi[-1])
+        cols = [ints[self.offsets[f] // 4 :][:n] for f in ITEM_FIELDS]
+        return np.stack(cols, 1), wi
+
+
+@pytest.mark.parametrize("lens", [[2048], [1000, 700, 348], [2048] * 4])
+def test_the_rewrite_deals_flashinfers_items_again_in_the_arrays_the_kernel_reads(lens):
+    """The layout side of the rewrite, against a buffer laid out as FlashInfer's SM90 plan lays
+    it out: every item once, the snake's CTA ranges, the busiest CTA shorter, and nothing
+    outside the arrays' live entries changed."""
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    theirs, their_wi = flashinfer_items(lens, 12, H100_SMS)
+    w = FakeWrapper(theirs, their_wi)
+    before = w._int_workspace_buffer.clone()
+    balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
+    assert balance(w, 128) and balance.applied == 1
+    ours, our_wi = w.device_schedule(H100_SMS)
+    assert sorted(map(tuple, ours.tolist())) == sorted(map(tuple, theirs.tolist()))
+    costs = item_costs(theirs[:, 0], theirs[:, 3], theirs[:, 4])
+    expect = snake(costs, H100_SMS)
+    assert our_wi.tolist() == expect.work_indptr.tolist()
+    assert np.array_equal(ours, theirs[expect.order])
+    mine = makespan(item_costs(ours[:, 0], ours[:, 3], ours[:, 4]), our_wi.astype(np.int64))
+    assert mine < makespan(costs, their_wi)
+    # bytes between and after the arrays are as the plan left them
+    changed = (w._int_workspace_buffer != before).numpy().view(bool)
+    owned = np.zeros_like(changed)
+    n = theirs.shape[0]
+    for f, off in w.offsets.items():
+        owned[off : off + 4 * (H100_SMS + 1 if f == "work_indptr" else n)] = True
+    assert not changed[~owned].any()
+
+
+def test_a_plan_it_cannot_read_keeps_flashinfers_schedule_and_says_so_once(caplog):
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    theirs, wi = flashinfer_items([2048], 12, H100_SMS)
+    w = FakeWrapper(theirs, wi)
+    w._plan_info = w._plan_info[:-1]  # not the nine fields of PrefillPlanSM90Info
+    before = w._int_workspace_buffer.clone()
+    balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
+    with caplog.at_level("WARNING"):
+        assert not balance(w, 128) and not balance(w, 128)
+    assert torch.equal(w._int_workspace_buffer, before)
+    warned = [r.message for r in caplog.records if "SM90 prefill schedule kept" in r.message]
+    assert warned == ["SM90 prefill schedule kept as FlashInfer planned it: the plan info is not "
+                      "FlashInfer's SM90 layout"]  # fmt: skip
+    small = FakeWrapper(*flashinfer_items([1024], 12, H100_SMS))  # 96 items: one CTA each
+    assert not balance(small, 128) and balance.kept == 3

@@ -39,7 +39,7 @@ def items_on_device(w, balance) -> tuple[np.ndarray, np.ndarray]:
 
     torch.cuda.synchronize()
     ints = w._int_workspace_buffer.view(torch.int32).cpu().numpy()
-    layout, _ = balance._layout(w)
+    layout, _, _ = balance._layout(w, False)
     at = layout.at
     wi = ints[at["work_indptr"] : at["work_indptr"] + balance.num_ctas + 1].copy()
     n = int(wi[-1])

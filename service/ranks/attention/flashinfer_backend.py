@@ -104,10 +104,10 @@ class FlashInferBase(PlannedAttention):
         # FA3 prefill plans dealt again, longest items first (startup's prefill schedule)
         self.balance = SM90Rebalance(self.device) if balanced else None
 
-    def _balanced(self, wrapper: Any, shape: HeadShape) -> None:
+    def _balanced(self, wrapper: Any, shape: HeadShape, same_info: bool = False) -> None:
         """After a prefill plan of ``wrapper``: its FA3 schedule dealt again, where chosen."""
         if self.balance is not None:
-            self.balance(wrapper, shape.head_dim)
+            self.balance(wrapper, shape.head_dim, same_info)
 
     def _paged_cache(self, spec: AttentionSpec) -> torch.Tensor:
         # (num_slots+1, 2, Hkv, D) -> (pages, 2, page_size 1, Hkv, D): FlashInfer's combined
@@ -434,8 +434,9 @@ class FlashInferGraphAttention(FlashInferBase):
                 )  # fmt: skip
 
             got = self._replans[key] = RaggedReplan(
-                wrapper, bufs.indptrs, plan, after=lambda: self._balanced(wrapper, shape)
-            )
+                wrapper, bufs.indptrs, plan,
+                after=lambda same: self._balanced(wrapper, shape, same),
+            )  # fmt: skip
         return got
 
     def prepare(

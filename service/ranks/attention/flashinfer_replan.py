@@ -42,13 +42,14 @@ class RaggedReplan:
         wrapper: Any,
         indptrs: torch.Tensor,
         plan: Callable[[torch.Tensor], None],
-        after: Callable[[], object] | None = None,
+        after: Callable[[bool], object] | None = None,
     ) -> None:
         self.wrapper = wrapper
         self.indptrs = indptrs
         self._plan = plan
         # after every plan, once FlashInfer's schedule is written and its copy queued (the FA3
-        # schedule dealt again: flashinfer_backend's _balanced)
+        # schedule dealt again: flashinfer_backend's _balanced), told whether the plan info was
+        # checked equal to the first plan's
         self._after = after
         self._call: Callable[[], Any] | None = None  # the module's plan, arguments bound
         self._info: Any = None  # the first plan's info, as the module returned it
@@ -91,7 +92,7 @@ class RaggedReplan:
                 self._first(both[0], kv_lens)
             self._mark_copied()  # FlashInfer copied the indptr from our buffer too
             if self._after is not None:
-                self._after()
+                self._after(False)
             return
         self.indptrs.copy_(both, non_blocking=True)  # the buffers the captured kernels read
         info = self._call()  # its host arrays are views of our buffer: this batch's layout
@@ -110,7 +111,7 @@ class RaggedReplan:
         self.wrapper._plan_info = info
         self.fast = True
         if self._after is not None:
-            self._after()
+            self._after(True)
 
     def _mark_copied(self) -> None:
         if self._copied is not None:

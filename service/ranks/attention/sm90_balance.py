@@ -22,6 +22,7 @@ FlashInfer's own schedule, that schedule stays.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,19 +40,17 @@ def item_costs(
     """FlashInfer's own cost model of a causal work item, in KV rows: twice the query tile (the
     fixed part: load Q, write O) plus the KV rows its tile attends over (right-aligned: a
     request with a cached prefix attends over the prefix too)."""
-    tile, qo_len, kv_len = (np.asarray(a, dtype=np.int64) for a in (tile, qo_len, kv_len))
-    last = tile + 1 == -(-qo_len // rows)
-    causal_end = np.clip(kv_len - qo_len + (tile + 1) * rows, 0, kv_len)
-    return 2 * rows + np.where(last, kv_len, causal_end)
+    end = np.minimum(kv_len - qo_len + (np.asarray(tile) + 1) * rows, kv_len)
+    # the last tile attends over all the KV rows (its end is past them, or they are all prefix)
+    last = np.asarray(tile) + 1 == -(-np.asarray(qo_len) // rows)
+    return 2 * rows + np.where(last, kv_len, np.maximum(end, 0))
 
 
 def makespan(costs: np.ndarray, work_indptr: np.ndarray) -> int:
     """The busiest CTA's cost when CTA i runs items work_indptr[i]:work_indptr[i+1]."""
-    if costs.shape[0] == 0:
-        return 0
-    sums = np.add.reduceat(np.append(costs, 0), work_indptr[:-1])
-    sums[work_indptr[:-1] == work_indptr[1:]] = 0  # reduceat gives an empty range one item
-    return int(sums.max())
+    prefix = np.zeros(costs.shape[0] + 1, dtype=np.int64)
+    np.cumsum(costs, dtype=np.int64, out=prefix[1:])
+    return int((prefix[work_indptr[1:]] - prefix[work_indptr[:-1]]).max(initial=0))
 
 
 @dataclass(frozen=True)
@@ -63,21 +62,29 @@ class Schedule:
     work_indptr: np.ndarray  # (num_ctas+1,) int64, from 0 to n
 
 
+@functools.lru_cache(maxsize=256)
+def _dealt(n: int, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in the longest-first list, CTA by CTA in the order each CTA is dealt them, and
+    the CTA ranges: the snake depends on the item count alone (cached, read-only)."""
+    # one row a round, odd rounds dealt from the last CTA back
+    rounds = -(-n // num_ctas)
+    grid = np.arange(rounds * num_ctas).reshape(rounds, num_ctas)
+    grid[1::2] = grid[1::2, ::-1]
+    dealt = grid.T.ravel()
+    dealt = dealt[dealt < n]
+    work_indptr = np.zeros(num_ctas + 1, dtype=np.int64)
+    np.cumsum((grid < n).sum(0), out=work_indptr[1:])
+    dealt.flags.writeable = work_indptr.flags.writeable = False
+    return dealt, work_indptr
+
+
 def snake(costs: np.ndarray, num_ctas: int) -> Schedule:
     """Longest items first, dealt to the CTAs in a snake; ties keep the plan's order."""
     if num_ctas <= 0:
         raise ValueError(f"num_ctas {num_ctas} must be positive")
-    n = costs.shape[0]
-    by_cost = np.argsort(-np.asarray(costs), kind="stable")
-    # positions in the sorted list, one row a round, odd rounds dealt from the last CTA back
-    rounds = -(-n // num_ctas)
-    grid = np.arange(rounds * num_ctas).reshape(rounds, num_ctas)
-    grid[1::2] = grid[1::2, ::-1]
-    dealt = grid.T.ravel()  # CTA by CTA, each CTA's items in the order dealt (longest first)
-    order = by_cost[dealt[dealt < n]]
-    work_indptr = np.zeros(num_ctas + 1, dtype=np.int64)
-    np.cumsum((grid < n).sum(0), out=work_indptr[1:])
-    return Schedule(order=order, work_indptr=work_indptr)
+    dealt, work_indptr = _dealt(costs.shape[0], num_ctas)
+    by_cost = np.argsort(-np.asarray(costs, dtype=np.int64), kind="stable")
+    return Schedule(order=by_cost[dealt], work_indptr=work_indptr)
 
 
 def rebalanced(costs: np.ndarray, work_indptr: np.ndarray) -> Schedule | None:

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # PrefillPlanSM90Info::ToVector: byte offsets into the int workspace, then a flag
 FIELDS = ("tile", "qo_indptr", "kv_indptr", "qo_len", "kv_len", "head", "work_indptr", "batch")
 ITEM_FIELDS = tuple(f for f in FIELDS if f != "work_indptr")
+BLOCK_FIELDS = FIELDS[:6]  # tile, qo_indptr, kv_indptr, qo_len, kv_len, head
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,14 @@ class Layout:
         end = at["batch"] + capacity
         if capacity <= 0 or at["batch"] - at["work_indptr"] < num_ctas + 1:
             return None
+        # the six arrays before work_indptr, back to back: read and written as one block
+        if any(at[f] != at["tile"] + k * capacity for k, f in enumerate(BLOCK_FIELDS)):
+            return None
         return Layout(at=at, capacity=capacity, start=at["tile"], end=end)
+
+
+# a plan's layout, the int32 view of its pinned schedule buffer, and the device region it spans
+Placed = tuple[Layout, np.ndarray, torch.Tensor]
 
 
 class SM90Rebalance:
@@ -65,72 +73,88 @@ class SM90Rebalance:
     on ``device``, after each of their plans. One pinned staging buffer serves them all: only
     one plan is in flight at a time, and its copy is waited for before the next overwrites it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, num_ctas: int | None = None) -> None:
+        """``num_ctas``: the kernel's grid (FlashInfer's: one CTA per SM of ``device``); given,
+        on a CPU ``device``, the rewrite runs on host tensors (tests of the layout)."""
         self.device = device
-        self.num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
-        # id(wrapper) -> (plan info, (layout, pinned buffer's view) or None)
-        self._layouts: dict[int, tuple[Any, tuple[Layout, np.ndarray] | None]] = {}
+        cuda = device.type == "cuda"
+        if num_ctas is None:
+            num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
+        self.num_ctas = num_ctas
+        # id(wrapper) -> (plan info, its placed layout or None)
+        self._layouts: dict[int, tuple[Any, Placed | None]] = {}
         self._stage = torch.empty(0, dtype=torch.int32)
-        self._copied = torch.cuda.Event()
+        self._stage_np = self._stage.numpy()
+        self._pin = cuda
+        self._copied = torch.cuda.Event() if cuda else None
         self._pending = False
         self._failed: str | None = None  # the first failed check, logged once
         self.applied = 0  # plans whose schedule was rewritten
         self.kept = 0  # plans whose schedule was already as short (or checks failed)
 
-    def __call__(self, wrapper: Any, head_dim: int) -> bool:
-        """Deal ``wrapper``'s last plan again if that shortens its busiest CTA; True if done."""
+    def __call__(self, wrapper: Any, head_dim: int, same_info: bool = False) -> bool:
+        """Deal ``wrapper``'s last plan again if that shortens its busiest CTA; True if done.
+        ``same_info``: the caller checked that this plan's info equals the wrapper's previous
+        one (RaggedReplan's fast path), so its layout is the one kept."""
         if getattr(wrapper, "_backend", None) != "fa3":
             return False
-        got = self._layout(wrapper)
+        got = self._layout(wrapper, same_info)
         if got is None:
             return self._keep("the plan info is not FlashInfer's SM90 layout")
-        layout, host = got
+        layout, host, region = got
         at = layout.at
         work_indptr = host[at["work_indptr"] : at["work_indptr"] + self.num_ctas + 1]
         n = int(work_indptr[-1])
         if n <= self.num_ctas:  # an item per CTA at most, in either schedule: nothing to gain
             self.kept += 1
             return False
-        if work_indptr[0] != 0 or n > layout.capacity or np.any(np.diff(work_indptr) < 0):
+        if work_indptr[0] != 0 or n > layout.capacity or (work_indptr[1:] < work_indptr[:-1]).any():
             return self._keep(f"the CTA ranges {work_indptr[[0, -1]]} do not span the items")
-        items = {f: host[at[f] : at[f] + n] for f in ITEM_FIELDS}
-        costs = item_costs(items["tile"], items["qo_len"], items["kv_len"], tile_rows(head_dim))
-        schedule = rebalanced(costs, work_indptr.astype(np.int64))
+        cap, start = layout.capacity, layout.start
+        block = host[start : start + 6 * cap].reshape(6, cap)[:, :n]  # rows: BLOCK_FIELDS
+        batch = host[at["batch"] : at["batch"] + n]
+        costs = item_costs(block[0], block[3], block[4], tile_rows(head_dim))
+        schedule = rebalanced(costs, work_indptr)
         if schedule is None:
             self.kept += 1
             return False
         self._wait()
-        if self._stage.numel() < layout.end - layout.start:
-            self._stage = torch.empty(layout.end - layout.start, dtype=torch.int32, pin_memory=True)
-        length = layout.end - layout.start
-        stage = self._stage.numpy()
-        stage[:length] = host[layout.start : layout.end]  # what lies between the arrays too
-        for f in ITEM_FIELDS:
-            i = at[f] - layout.start
-            stage[i : i + n] = items[f][schedule.order]
-        i = at["work_indptr"] - layout.start
+        length = layout.end - start
+        if self._stage.numel() < length:
+            self._stage = torch.empty(length, dtype=torch.int32, pin_memory=self._pin)
+            self._stage_np = self._stage.numpy()
+        stage = self._stage_np
+        stage[:length] = host[start : layout.end]  # what lies between the arrays too
+        stage[: 6 * cap].reshape(6, cap)[:, :n] = block[:, schedule.order]
+        i = at["batch"] - start
+        stage[i : i + n] = batch[schedule.order]
+        i = at["work_indptr"] - start
         stage[i : i + self.num_ctas + 1] = schedule.work_indptr
         # FlashInfer's copy of the same region is queued before this one on the same stream, so
         # ours lands last
-        region = wrapper._int_workspace_buffer.view(torch.int32)[layout.start : layout.end]
         region.copy_(self._stage[:length], non_blocking=True)
-        self._copied.record()
-        self._pending = True
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
         self.applied += 1
         return True
 
-    def _layout(self, wrapper: Any) -> tuple[Layout, np.ndarray] | None:
-        """The last plan's layout and an int32 view of the wrapper's pinned schedule buffer
-        (kept per wrapper: graph wrappers plan the same layout every time)."""
+    def _layout(self, wrapper: Any, same_info: bool) -> Placed | None:
+        """The last plan's layout, an int32 view of the wrapper's pinned schedule buffer and the
+        device region the arrays span (kept per wrapper: graph wrappers plan the same layout
+        every time)."""
         info = wrapper._plan_info
         got = self._layouts.get(id(wrapper))
-        if got is not None and (got[0] is info or bool(got[0] == info)):
+        if got is not None and (same_info or got[0] is info or bool(got[0] == info)):
             return got[1]
         layout = Layout.of(info, self.num_ctas)
-        host = wrapper._pin_memory_int_workspace_buffer.numpy().view(np.int32)
-        made = None if layout is None else (layout, host)
-        self._layouts[id(wrapper)] = (info, made)
-        return made
+        placed = None
+        if layout is not None:
+            host = wrapper._pin_memory_int_workspace_buffer.numpy().view(np.int32)
+            region = wrapper._int_workspace_buffer.view(torch.int32)[layout.start : layout.end]
+            placed = (layout, host, region)
+        self._layouts[id(wrapper)] = (info, placed)
+        return placed
 
     def _wait(self) -> None:
         if self._pending:
