@@ -551,6 +551,9 @@ def main() -> int:
                         profile(f"eager bucket {b}", eager_step, args.profile_rows)
                 if b == args.host_profile and cuda:
                     host_profile(f"{backend} bucket {b}", graph_step)
+                    if f"eager_host_profiled_{b}" not in row:
+                        row[f"eager_host_profiled_{b}"] = True
+                        host_profile(f"eager bucket {b}", eager_step)
                 out = graph_step()
                 row[f"{backend}_maxdiff"] = float((out - refs[b]).abs().max())
                 row[f"{backend}_capture_s"] = round(stat.seconds, 3)
