@@ -135,9 +135,10 @@ class EngineConfig:
     # takes the Triton kernel on sm90 with one rank (service.model.splitk_policy says at which
     # token counts), else cuBLAS's projection, then the norm
     splitk_norm_kernel: GateUpName = "auto"
-    # which SM runs which work item of FlashInfer's FA3 prefill kernel: "auto" deals them longest
-    # first across heads where FA3 runs (service.ranks.attention.sm90_balance), "own" keeps
-    # FlashInfer's schedule
+    # which SM runs which work item of FlashInfer's FA3 prefill kernel: "balanced" deals them
+    # longest first across heads (service.ranks.attention.sm90_balance), "own" keeps FlashInfer's
+    # schedule, "auto" keeps it too (the balanced kernel is faster, the prefill per call was not:
+    # docs/benchmarks.md, session 43)
     prefill_schedule: ScheduleName = "auto"
 
     def __post_init__(self) -> None:

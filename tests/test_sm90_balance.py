@@ -107,12 +107,15 @@ def test_the_snake_deals_each_cta_one_item_a_round(costs, ctas):
         assert np.all(np.diff(mine) <= 0)
 
 
-def test_the_schedule_is_balanced_where_fa3_runs_and_says_why_elsewhere():
+def test_the_schedule_is_fa3s_own_unless_asked_for_and_says_why():
     from service.errors import ConfigError
     from service.ranks.select import choose_prefill_schedule as choose
 
-    assert choose("auto", "flashinfer", "auto", (9, 0), mla=False).name == "balanced"
-    assert choose("auto", "flashinfer", "fa3", (9, 0), mla=False).name == "balanced"
+    # where FA3 runs, auto keeps FlashInfer's schedule for now and says why; asked for, balanced
+    for kernel in ("auto", "fa3"):
+        auto = choose("auto", "flashinfer", kernel, (9, 0), mla=False)
+        assert auto.name == "own" and "--prefill-schedule balanced" in auto.reason
+        assert choose("balanced", "flashinfer", kernel, (9, 0), mla=False).name == "balanced"
     why = {
         "torch attention": choose("auto", "torch", "auto", (9, 0), mla=False),
         "FA2": choose("auto", "flashinfer", "fa2", (9, 0), mla=False),

@@ -171,8 +171,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         "--prefill-schedule",
         choices=PREFILL_SCHEDULES,
         default="auto",
-        help="which SM runs which work item of FlashInfer's FA3 prefill kernel: auto (balanced "
-        "where FA3 runs: longest items first across heads), balanced, own (FlashInfer's)",
+        help="which SM runs which work item of FlashInfer's FA3 prefill kernel: balanced "
+        "(longest items first across heads, sm90), own (FlashInfer's); auto: own (the balanced "
+        "kernel is faster, the whole prefill was not yet: docs/benchmarks.md)",
     )
     p.add_argument(
         "--fused-kernels",

@@ -234,7 +234,9 @@ def choose_prefill_schedule(
 ) -> BackendChoice:
     """Which SM runs which work item of the prefill attention kernel: "balanced" (FlashInfer's
     FA3 items dealt again longest first across heads, service.ranks.attention.sm90_balance) or
-    "own" (the kernel's own schedule). Only FA3 takes a schedule from the host."""
+    "own" (the kernel's own schedule). Only FA3 takes a schedule from the host. ``auto`` keeps
+    the kernel's own: the balanced schedule's kernel is faster, but its host work before each
+    prefill cost more than it saved in session 43's A/B (docs/benchmarks.md)."""
     flag = "--prefill-schedule"
     blocker = None
     if attention != "flashinfer":
@@ -254,8 +256,12 @@ def choose_prefill_schedule(
         return BackendChoice("balanced", f"asked for ({flag} balanced)")
     if requested != "auto":
         raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, balanced, own")
-    if blocker is None:
-        return BackendChoice("balanced", "auto: FA3 on sm90, its items dealt longest first")
+    if blocker is None:  # docs/benchmarks.md, session 43
+        return BackendChoice(
+            "own",
+            "auto: FlashInfer's schedule; the balanced one cut FA3's device time by 12-29% but "
+            f"no prefill per call on an H100 (ask for it with {flag} balanced)",
+        )
     return BackendChoice("own", f"auto: {blocker}")
 
 
