@@ -233,3 +233,25 @@ def test_a_plan_it_cannot_read_keeps_flashinfers_schedule_and_says_so_once(caplo
                       "FlashInfer's SM90 layout"]  # fmt: skip
     small = FakeWrapper(*flashinfer_items([1024], 12, H100_SMS))  # 96 items: one CTA each
     assert not balance(small, 128) and balance.kept == 3
+
+
+def test_a_new_wrapper_in_a_dropped_wrappers_place_is_read_from_its_own_buffers(monkeypatch):
+    """A bucket's wrappers are dropped when its capture fails on another rank; a new wrapper may
+    get the old one's id and the same plan info, but the schedule must be read from, and written
+    to, its own buffers."""
+    from service.ranks.attention import sm90_schedule
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
+    old = FakeWrapper(*flashinfer_items([2048], 12, H100_SMS))
+    assert balance(old, 128)
+    new = FakeWrapper(*flashinfer_items([2048], 12, H100_SMS))
+    new._plan_info = old._plan_info  # the same layout
+    monkeypatch.setattr(sm90_schedule, "id", lambda w: 1, raising=False)  # the same id
+    balance._layouts = {1: balance._layouts[id(old)]}
+    before = new._int_workspace_buffer.clone()
+    assert balance(new, 128, same_info=True)
+    assert not torch.equal(new._int_workspace_buffer, before)  # its own buffer was rewritten
+    items, _ = new.device_schedule(H100_SMS)
+    theirs, _ = flashinfer_items([2048], 12, H100_SMS)
+    assert sorted(map(tuple, items.tolist())) == sorted(map(tuple, theirs.tolist()))

@@ -81,8 +81,8 @@ class SM90Rebalance:
         if num_ctas is None:
             num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
         self.num_ctas = num_ctas
-        # id(wrapper) -> (plan info, its placed layout or None)
-        self._layouts: dict[int, tuple[Any, Placed | None]] = {}
+        # id(wrapper) -> (plan info, its pinned and device int buffers, its placed layout or None)
+        self._layouts: dict[int, tuple[Any, torch.Tensor, torch.Tensor, Placed | None]] = {}
         self._stage = torch.empty(0, dtype=torch.int32)
         self._stage_np = self._stage.numpy()
         self._pin = cuda
@@ -144,16 +144,24 @@ class SM90Rebalance:
         device region the arrays span (kept per wrapper: graph wrappers plan the same layout
         every time)."""
         info = wrapper._plan_info
+        pinned, device = wrapper._pin_memory_int_workspace_buffer, wrapper._int_workspace_buffer
         got = self._layouts.get(id(wrapper))
-        if got is not None and (same_info or got[0] is info or bool(got[0] == info)):
-            return got[1]
+        # the buffers by identity too: a wrapper dropped with its bucket (forget) may leave its
+        # id to a new wrapper, whose buffers the kept views would not be
+        if (
+            got is not None
+            and got[1] is pinned
+            and got[2] is device
+            and (same_info or got[0] is info or bool(got[0] == info))
+        ):
+            return got[3]
         layout = Layout.of(info, self.num_ctas)
         placed = None
         if layout is not None:
-            host = wrapper._pin_memory_int_workspace_buffer.numpy().view(np.int32)
-            region = wrapper._int_workspace_buffer.view(torch.int32)[layout.start : layout.end]
+            host = pinned.numpy().view(np.int32)
+            region = device.view(torch.int32)[layout.start : layout.end]
             placed = (layout, host, region)
-        self._layouts[id(wrapper)] = (info, placed)
+        self._layouts[id(wrapper)] = (info, pinned, device, placed)
         return placed
 
     def _wait(self) -> None:
