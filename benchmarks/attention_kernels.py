@@ -119,10 +119,9 @@ def balance_rows(
     alternating: device us per call (each round's), host us of the rewrite, the makespans in
     FlashInfer's cost model, and the largest output difference."""
     import flashinfer
-    import numpy as np
 
-    from service.ranks.attention.sm90_balance import item_costs, makespan, snake, tile_rows
-    from service.ranks.attention.sm90_schedule import ITEM_FIELDS, SM90Rebalance
+    from service.ranks.attention.sm90_balance import makespan, snake
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
 
     q, k, v = qkv
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)
@@ -151,17 +150,12 @@ def balance_rows(
         got["balance_us"] = balance_host_us(lambda: balance(w, heads[2]), args)
     # the cost model's view: FlashInfer's busiest CTA, ours, and the longest item
     plan(qo)
-    got_layout = balance._layout(w, False)
-    if got_layout is not None:
-        layout, host, _ = got_layout
-        at = layout.at
-        wi = host[at["work_indptr"] : at["work_indptr"] + balance.num_ctas + 1].astype(np.int64)
-        n = int(wi[-1])
-        items = {f: host[at[f] : at[f] + n] for f in ITEM_FIELDS}
-        costs = item_costs(items["tile"], items["qo_len"], items["kv_len"], tile_rows(heads[2]))
+    read = balance.planned(w, heads[2])
+    if read is not None:
+        costs, wi = read
         ours = snake(costs, balance.num_ctas)
         got.update(
-            items=n,
+            items=costs.shape[0],
             fi_makespan=makespan(costs, wi),
             ours_makespan=makespan(costs[ours.order], ours.work_indptr),
             longest=int(costs.max()),

@@ -178,14 +178,19 @@ class FakeWrapper:
         self._int_workspace_buffer = self._pin_memory_int_workspace_buffer.clone()  # the copy
         self.offsets = offsets
 
-    def device_schedule(self, ctas: int) -> tuple[np.ndarray, np.ndarray]:
-        from service.ranks.attention.sm90_schedule import ITEM_FIELDS
 
-        ints = self._int_workspace_buffer.numpy().view(np.int32)
-        wi = ints[self.offsets["work_indptr"] // 4 :][: ctas + 1]
-        n = int(wi[-1])
-        cols = [ints[self.offsets[f] // 4 :][:n] for f in ITEM_FIELDS]
-        return np.stack(cols, 1), wi
+def device_schedule(w, balance) -> tuple[np.ndarray, np.ndarray]:
+    """The schedule the kernel reads, from the wrapper's device int workspace (its layout as
+    ``balance`` reads the plan info): the items in CTA order, as (n, 7) rows of ITEM_FIELDS, and
+    the CTA ranges."""
+    from service.ranks.attention.sm90_schedule import ITEM_FIELDS
+
+    layout, _, _ = balance._layout(w, False)
+    ints = w._int_workspace_buffer.view(torch.int32).cpu().numpy()
+    at = layout.at
+    wi = ints[at["work_indptr"] : at["work_indptr"] + balance.num_ctas + 1].copy()
+    n = int(wi[-1])
+    return np.stack([ints[at[f] : at[f] + n] for f in ITEM_FIELDS], 1), wi
 
 
 @pytest.mark.parametrize("lens", [[2048], [1000, 700, 348], [2048] * 4])
@@ -200,9 +205,12 @@ def test_the_rewrite_deals_flashinfers_items_again_in_the_arrays_the_kernel_read
     before = w._int_workspace_buffer.clone()
     balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
     assert balance(w, 128) and balance.applied == 1
-    ours, our_wi = w.device_schedule(H100_SMS)
+    ours, our_wi = device_schedule(w, balance)
     assert sorted(map(tuple, ours.tolist())) == sorted(map(tuple, theirs.tolist()))
     costs = item_costs(theirs[:, 0], theirs[:, 3], theirs[:, 4])
+    # what the benchmark reads as FlashInfer's schedule stays FlashInfer's after the rewrite
+    read_costs, read_wi = balance.planned(w, 128)
+    assert read_costs.tolist() == costs.tolist() and read_wi.tolist() == their_wi.tolist()
     expect = snake(costs, H100_SMS)
     assert our_wi.tolist() == expect.work_indptr.tolist()
     assert np.array_equal(ours, theirs[expect.order])
@@ -252,6 +260,6 @@ def test_a_new_wrapper_in_a_dropped_wrappers_place_is_read_from_its_own_buffers(
     before = new._int_workspace_buffer.clone()
     assert balance(new, 128, same_info=True)
     assert not torch.equal(new._int_workspace_buffer, before)  # its own buffer was rewritten
-    items, _ = new.device_schedule(H100_SMS)
+    items, _ = device_schedule(new, balance)
     theirs, _ = flashinfer_items([2048], 12, H100_SMS)
     assert sorted(map(tuple, items.tolist())) == sorted(map(tuple, theirs.tolist()))

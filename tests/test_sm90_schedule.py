@@ -33,25 +33,13 @@ pytestmark = [pytest.mark.gpu, _needs_fa3()]
 HEADS = (12, 2, 128)  # Qwen2.5-1.5B's query heads, KV heads, head dim
 
 
-def items_on_device(w, balance) -> tuple[np.ndarray, np.ndarray]:
-    """The schedule the kernel will read: (n, 7) items in CTA order, and the CTA ranges."""
-    from service.ranks.attention.sm90_schedule import ITEM_FIELDS
-
-    torch.cuda.synchronize()
-    ints = w._int_workspace_buffer.view(torch.int32).cpu().numpy()
-    layout, _, _ = balance._layout(w, False)
-    at = layout.at
-    wi = ints[at["work_indptr"] : at["work_indptr"] + balance.num_ctas + 1].copy()
-    n = int(wi[-1])
-    return np.stack([ints[at[f] : at[f] + n] for f in ITEM_FIELDS], 1), wi
-
-
 @pytest.mark.parametrize("lens", [[2048], [1000, 700, 348], [3000, 1000, 50, 48], [4096]])
 def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens):
     import flashinfer
 
     from service.ranks.attention.sm90_balance import item_costs, makespan
     from service.ranks.attention.sm90_schedule import SM90Rebalance
+    from tests.test_sm90_balance import device_schedule
 
     dev = torch.device("cuda")
     hq, hkv, d = HEADS
@@ -64,10 +52,10 @@ def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens):
     w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
     w.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
     balance = SM90Rebalance(dev)
-    theirs, their_wi = items_on_device(w, balance)
+    theirs, their_wi = device_schedule(w, balance)
     want = w.run(q, k, v)
     assert balance(w, d)
-    ours, our_wi = items_on_device(w, balance)
+    ours, our_wi = device_schedule(w, balance)
     # the same items (request, tile, head and their ranges), each once, on other CTAs
     assert sorted(map(tuple, ours.tolist())) == sorted(map(tuple, theirs.tolist()))
     assert not np.array_equal(our_wi, their_wi)

@@ -110,15 +110,13 @@ class SM90Rebalance:
             return False
         if work_indptr[0] != 0 or n > layout.capacity or (work_indptr[1:] < work_indptr[:-1]).any():
             return self._keep(f"the CTA ranges {work_indptr[[0, -1]]} do not span the items")
-        cap, start = layout.capacity, layout.start
-        block = host[start : start + 6 * cap].reshape(6, cap)[:, :n]  # rows: BLOCK_FIELDS
-        batch = host[at["batch"] : at["batch"] + n]
-        costs = item_costs(block[0], block[3], block[4], tile_rows(head_dim))
+        block, batch, costs = self._items(layout, host, n, head_dim)
         schedule = rebalanced(costs, work_indptr)
         if schedule is None:
             self.kept += 1
             return False
         self._wait()
+        cap, start = layout.capacity, layout.start
         length = layout.end - start
         if self._stage.numel() < length:
             self._stage = torch.empty(length, dtype=torch.int32, pin_memory=self._pin)
@@ -138,6 +136,29 @@ class SM90Rebalance:
             self._pending = True
         self.applied += 1
         return True
+
+    def planned(self, wrapper: Any, head_dim: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """FlashInfer's schedule of ``wrapper``'s last plan, read as the rewrite reads it (from
+        the pinned buffer, which the rewrite leaves as it is): each item's cost in the
+        schedule's order and the CTA ranges (None: not an SM90 layout)."""
+        got = self._layout(wrapper, False)
+        if got is None:
+            return None
+        layout, host, _ = got
+        at = layout.at
+        work_indptr = host[at["work_indptr"] : at["work_indptr"] + self.num_ctas + 1]
+        return self._items(layout, host, int(work_indptr[-1]), head_dim)[2], work_indptr
+
+    @staticmethod
+    def _items(
+        layout: Layout, host: np.ndarray, n: int, head_dim: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The plan's first ``n`` items: the (6, n) block of BLOCK_FIELDS, the batch indices,
+        and each item's cost."""
+        cap, start = layout.capacity, layout.start
+        block = host[start : start + 6 * cap].reshape(6, cap)[:, :n]
+        batch = host[layout.at["batch"] : layout.at["batch"] + n]
+        return block, batch, item_costs(block[0], block[3], block[4], tile_rows(head_dim))
 
     def _layout(self, wrapper: Any, same_info: bool) -> Placed | None:
         """The last plan's layout, an int32 view of the wrapper's pinned schedule buffer and the
