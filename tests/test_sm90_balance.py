@@ -263,3 +263,30 @@ def test_a_new_wrapper_in_a_dropped_wrappers_place_is_read_from_its_own_buffers(
     items, _ = device_schedule(new, balance)
     theirs, _ = flashinfer_items([2048], 12, H100_SMS)
     assert sorted(map(tuple, items.tolist())) == sorted(map(tuple, theirs.tolist()))
+
+
+def test_a_captured_rewrite_refuses_a_plan_whose_layout_moved():
+    """``full`` captures the device rewrite with the plan's layout baked in; a later plan with
+    another layout would have the graph's kernel read and write the wrong bytes, so it is an
+    error, not a silent miss. The host rewrite cannot be deferred, and the device rewrite needs
+    a CUDA device."""
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS, on_device=True)
+    balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
+    w = FakeWrapper(*flashinfer_items([2048], 12, H100_SMS))
+    with pytest.raises(ValueError, match="needs the device rewrite"):
+        balance(w, 128, defer=True)
+    balance.on_device = True  # what a CUDA rank with triton has; deferred: nothing is launched
+    before = w._int_workspace_buffer.clone()
+    assert balance(w, 128, defer=True)
+    assert torch.equal(w._int_workspace_buffer, before)
+    balance._captured[id(w)] = balance._layout(w, True)  # as the capture records it
+    assert balance(w, 128, same_info=True, defer=True)  # the same layout: fine
+    moved = FakeWrapper(*flashinfer_items([2048, 512], 12, H100_SMS))
+    w._plan_info = moved._plan_info  # a plan with other offsets into the same buffers
+    with pytest.raises(RuntimeError, match="layout changed under a captured"):
+        balance(w, 128, defer=True)
+    balance.forget(w)  # its bucket dropped: a new capture may record another layout
+    assert balance(w, 128, defer=True)

@@ -33,8 +33,15 @@ pytestmark = [pytest.mark.gpu, _needs_fa3()]
 HEADS = (12, 2, 128)  # Qwen2.5-1.5B's query heads, KV heads, head dim
 
 
+def _triton_missing() -> str | None:
+    from service.ranks.select import triton_import_error
+
+    return triton_import_error()
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
 @pytest.mark.parametrize("lens", [[2048], [1000, 700, 348], [3000, 1000, 50, 48], [4096]])
-def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens):
+def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens, on_device):
     import flashinfer
 
     from service.ranks.attention.sm90_balance import item_costs, makespan
@@ -51,7 +58,9 @@ def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens):
     ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
     w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
     w.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
-    balance = SM90Rebalance(dev)
+    if on_device and _triton_missing():
+        pytest.skip(f"the device rewrite needs triton: {_triton_missing()}")
+    balance = SM90Rebalance(dev, on_device=on_device)
     theirs, their_wi = device_schedule(w, balance)
     want = w.run(q, k, v)
     assert balance(w, d)
@@ -66,6 +75,37 @@ def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens):
     assert busiest(ours, our_wi) < busiest(theirs, their_wi)
     assert torch.equal(w.run(q, k, v), want)
     assert balance.applied == 1
+    if on_device:  # the kernel's schedule is the host rewrite's, array for array
+        w.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+        assert SM90Rebalance(dev, on_device=False)(w, d)
+        host, host_wi = device_schedule(w, balance)
+        assert np.array_equal(host, ours) and np.array_equal(host_wi, our_wi)
+
+
+def test_the_device_rewrite_keeps_a_schedule_it_cannot_shorten_or_read():
+    """One item per CTA (nothing to gain) and CTA ranges that do not start at 0 (not a schedule
+    the kernel can read): the device arrays stay FlashInfer's, byte for byte."""
+    import flashinfer
+
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    if _triton_missing():
+        pytest.skip(f"the device rewrite needs triton: {_triton_missing()}")
+    dev = torch.device("cuda")
+    hq, hkv, d = HEADS
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+    balance = SM90Rebalance(dev, on_device=True)
+    for lens, corrupt in (([1024], False), ([2048], True)):
+        qo = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+        w.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+        if corrupt:  # the first CTA's range start moved off 0 on the device
+            layout, _, region = balance._layout(w, False)
+            region[layout.at["work_indptr"] - layout.start] = 1
+        before = w._int_workspace_buffer.clone()
+        balance(w, d)
+        torch.cuda.synchronize()
+        assert torch.equal(w._int_workspace_buffer, before), lens
 
 
 def test_the_service_replays_the_dealt_schedule_bit_for_bit(tmp_path):
@@ -108,8 +148,25 @@ def test_the_service_replays_the_dealt_schedule_bit_for_bit(tmp_path):
                 used = w.setup.graph_attention if backend == "full" else w.runner.attention.planned
                 assert (used.balance is not None) == (schedule == "balanced"), backend
                 if used.balance is not None:
-                    assert used.balance.applied >= 2, backend  # one plan per prefill batch
+                    wrapper = next(x for k, x in used._wrappers.items() if k[2] == "ragged")
+                    _assert_dealt(wrapper, used.balance, backend)
             finally:
                 e.shutdown()
         for a, b in zip(logits["balanced"], logits["own"], strict=True):
             assert torch.equal(a, b), backend
+
+
+def _assert_dealt(wrapper, balance, backend: str) -> None:
+    """The schedule the last replay's attention read (the device int workspace) is the dealt
+    one: the same items as FlashInfer's last plan (its pinned buffer), a shorter busiest CTA.
+    FlashInfer's copy rewrote the device arrays at that plan, so only a rewrite after it (the
+    captured kernel, in `full`) can have left them dealt."""
+    from service.ranks.attention.sm90_balance import item_costs, makespan
+    from tests.test_sm90_balance import device_schedule
+
+    torch.cuda.synchronize()
+    ours, our_wi = device_schedule(wrapper, balance)
+    costs, their_wi = balance.planned(wrapper, HEADS[2])
+    mine = makespan(item_costs(ours[:, 0], ours[:, 3], ours[:, 4]), our_wi.astype(np.int64))
+    assert mine < makespan(costs, their_wi.astype(np.int64)), backend
+    assert balance.applied >= 1, backend

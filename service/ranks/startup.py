@@ -229,7 +229,8 @@ def attention_backends(
 
         eager = FlashInferAttention(*args, kernel=cfg.flashinfer_kernel, balanced=balanced)
         shared = {"kernel": cfg.flashinfer_kernel, "workspace": eager.workspace}
-        graph = FlashInferGraphAttention(*args, **shared, balanced=balanced)
+        # full's: the schedule's device rewrite captured in its graphs (graph_prologue)
+        graph = FlashInferGraphAttention(*args, **shared, balanced=balanced, balance_in_graph=True)
         decode = FlashInferDecodeGraphAttention(*args, max_size=req_to_token.num_rows, **shared)
         return eager, graph, decode
     from service.ranks.attention.torch_decode import TorchDecodeAttention

@@ -101,6 +101,12 @@ class AttentionBackend(ABC):
         none."""
         return None
 
+    def graph_prologue(self, bucket: int, variant: str) -> None:
+        """Device work on the plan that ``prepare`` made, captured at the start of the graph
+        that first reads it (before layer 0's attention), so every replay does it with no host
+        work (FlashInfer: the SM90 schedule dealt again). Most backends need none."""
+        return None
+
     def bind_variant(self, batch: ForwardBatch, variant: str) -> BoundAttention:
         """:meth:`bind` for the graph of one variant (called inside the captured function)."""
         return self.bind(batch)

@@ -84,6 +84,7 @@ class FlashInferBase(PlannedAttention):
         kernel: str = "auto",
         workspace: torch.Tensor | None = None,
         balanced: bool = False,
+        balance_in_graph: bool = False,
     ) -> None:
         super().__init__(registry, kv, req_to_token)
         import flashinfer  # the `gpu` extra; select.py decided it is importable
@@ -103,11 +104,14 @@ class FlashInferBase(PlannedAttention):
         self.head_shapes = tuple(dict.fromkeys(self.shapes.values()))  # distinct, in order
         # FA3 prefill plans dealt again, longest items first (startup's prefill schedule)
         self.balance = SM90Rebalance(self.device) if balanced else None
+        # ``full``'s graph attention: the device rewrite is captured in the graph
+        # (graph_prologue), not queued after each plan
+        self._defer = balance_in_graph and self.balance is not None and self.balance.on_device
 
     def _balanced(self, wrapper: Any, shape: HeadShape, same_info: bool = False) -> None:
         """After a prefill plan of ``wrapper``: its FA3 schedule dealt again, where chosen."""
         if self.balance is not None:
-            self.balance(wrapper, shape.head_dim, same_info)
+            self.balance(wrapper, shape.head_dim, same_info, defer=self._defer)
 
     def _paged_cache(self, spec: AttentionSpec) -> torch.Tensor:
         # (num_slots+1, 2, Hkv, D) -> (pages, 2, page_size 1, Hkv, D): FlashInfer's combined
@@ -416,6 +420,8 @@ class FlashInferGraphAttention(FlashInferBase):
 
     def forget(self, bucket: int) -> None:
         for key in [k for k in self._wrappers if k[0] == bucket]:
+            if self.balance is not None:
+                self.balance.forget(self._wrappers[key])
             del self._wrappers[key]
         for key in [k for k in self._replans if k[0] == bucket]:
             del self._replans[key]
@@ -438,6 +444,16 @@ class FlashInferGraphAttention(FlashInferBase):
                 after=lambda same: self._balanced(wrapper, shape, same),
             )  # fmt: skip
         return got
+
+    def graph_prologue(self, bucket: int, variant: str) -> None:
+        """The device rewrite of each head shape's plan of ``bucket`` and ``variant``, queued
+        (captured, inside ``full``'s capture) after ``prepare``'s plan."""
+        if not self._defer:
+            return
+        for shape in self.head_shapes:
+            wrapper = self._wrappers.get((bucket, shape, variant))
+            if wrapper is not None:
+                self.balance.launch(wrapper, shape.head_dim)
 
     def prepare(
         self, batch: ForwardBatch, bucket: int, variant: str = "paged", num_slots: int | None = None

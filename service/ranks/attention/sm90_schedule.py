@@ -70,17 +70,37 @@ Placed = tuple[Layout, np.ndarray, torch.Tensor]
 
 class SM90Rebalance:
     """Rewrites the SM90 schedule of FlashInfer prefill wrappers that share one int workspace
-    on ``device``, after each of their plans. One pinned staging buffer serves them all: only
-    one plan is in flight at a time, and its copy is waited for before the next overwrites it."""
+    on ``device``, after each of their plans.
 
-    def __init__(self, device: torch.device, num_ctas: int | None = None) -> None:
+    Two ways, one policy. On the device (CUDA with triton: :mod:`sm90_triton`): a kernel queued
+    after FlashInfer's copy reads the items there and writes them back dealt again; the host
+    only finds the layout (once per wrapper in CUDA-graph mode). ``full`` captures that kernel
+    into its graph instead (``defer``, then :meth:`launch` inside the capture). On the host
+    (numpy; CPU tests, CUDA without triton): the items are read from the pinned buffer FlashInfer
+    wrote, dealt, and copied up behind FlashInfer's copy. One pinned staging buffer serves every
+    wrapper: only one plan is in flight at a time, and its copy is waited for before the next
+    overwrites it."""
+
+    def __init__(
+        self, device: torch.device, num_ctas: int | None = None, on_device: bool | None = None
+    ) -> None:
         """``num_ctas``: the kernel's grid (FlashInfer's: one CTA per SM of ``device``); given,
-        on a CPU ``device``, the rewrite runs on host tensors (tests of the layout)."""
+        on a CPU ``device``, the rewrite runs on host tensors (tests of the layout).
+        ``on_device``: deal on the device (default: on CUDA where triton imports)."""
         self.device = device
         cuda = device.type == "cuda"
         if num_ctas is None:
             num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
         self.num_ctas = num_ctas
+        if on_device is None:
+            on_device = cuda and _triton_imports()
+        if on_device and not cuda:
+            raise ValueError("the device rewrite needs a CUDA device")
+        self.on_device = on_device
+        # id(wrapper) -> (its device int buffer, the kernel's copy of the region, its scratch)
+        self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # id(wrapper) -> the layout its captured kernel was recorded for (``full``)
+        self._captured: dict[int, Placed] = {}
         # id(wrapper) -> (plan info, its pinned and device int buffers, its placed layout or None)
         self._layouts: dict[int, tuple[Any, torch.Tensor, torch.Tensor, Placed | None]] = {}
         self._stage = torch.empty(0, dtype=torch.int32)
@@ -92,15 +112,31 @@ class SM90Rebalance:
         self.applied = 0  # plans whose schedule was rewritten
         self.kept = 0  # plans whose schedule was already as short (or checks failed)
 
-    def __call__(self, wrapper: Any, head_dim: int, same_info: bool = False) -> bool:
-        """Deal ``wrapper``'s last plan again if that shortens its busiest CTA; True if done.
-        ``same_info``: the caller checked that this plan's info equals the wrapper's previous
-        one (RaggedReplan's fast path), so its layout is the one kept."""
+    def __call__(
+        self, wrapper: Any, head_dim: int, same_info: bool = False, defer: bool = False
+    ) -> bool:
+        """Deal ``wrapper``'s last plan again if that shortens its busiest CTA; True if done (on
+        the device: queued, the kernel decides). ``same_info``: the caller checked that this
+        plan's info equals the wrapper's previous one (RaggedReplan's fast path), so its layout
+        is the one kept. ``defer`` (on the device only): nothing is queued, a kernel captured by
+        :meth:`launch` deals it; this plan's layout must be the one captured."""
         if getattr(wrapper, "_backend", None) != "fa3":
             return False
         got = self._layout(wrapper, same_info)
         if got is None:
             return self._keep("the plan info is not FlashInfer's SM90 layout")
+        if self.on_device:
+            if not defer:
+                return self.launch(wrapper, head_dim)
+            captured = self._captured.get(id(wrapper))
+            if captured is not None and captured is not got:
+                raise RuntimeError(
+                    "FlashInfer's SM90 plan layout changed under a captured schedule kernel; "
+                    "the captured graph is no longer valid (run with --prefill-schedule own)"
+                )
+            return True
+        if defer:
+            raise ValueError("a deferred rewrite needs the device rewrite (on_device)")
         layout, host, region = got
         at = layout.at
         work_indptr = host[at["work_indptr"] : at["work_indptr"] + self.num_ctas + 1]
@@ -136,6 +172,49 @@ class SM90Rebalance:
             self._pending = True
         self.applied += 1
         return True
+
+    def launch(self, wrapper: Any, head_dim: int) -> bool:
+        """Queue the device rewrite of ``wrapper``'s last plan (captured, when called inside a
+        CUDA-graph capture: then every replay deals the plan made before it). False where the
+        plan is not an SM90 layout (nothing queued)."""
+        if not self.on_device or getattr(wrapper, "_backend", None) != "fa3":
+            return False
+        got = self._layout(wrapper, True)  # the plan just made, or the one the capture planned
+        if got is None:
+            return self._keep("the plan info is not FlashInfer's SM90 layout")
+        from service.ranks.attention import sm90_triton
+
+        layout, _, region = got
+        src, tmp = self._scratch_for(wrapper, region.numel(), layout.capacity)
+        src[: region.numel()].copy_(region)
+        at = layout.at
+        sm90_triton.deal(
+            src, region, tmp, layout.capacity, at["work_indptr"] - layout.start,
+            at["batch"] - layout.start, self.num_ctas, tile_rows(head_dim),
+        )  # fmt: skip
+        if torch.cuda.is_current_stream_capturing():
+            self._captured[id(wrapper)] = got
+        self.applied += 1
+        return True
+
+    def _scratch_for(
+        self, wrapper: Any, length: int, capacity: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device rewrite's buffers for ``wrapper``, kept per wrapper (a captured kernel
+        reads them at every replay: they are never reallocated for a wrapper whose layout does
+        not grow, which a CUDA-graph wrapper's never does) and grown for an eager one."""
+        from service.ranks.attention.sm90_triton import scratch_size
+
+        device = wrapper._int_workspace_buffer
+        got = self._scratch.get(id(wrapper))
+        need = scratch_size(capacity, self.num_ctas)
+        if got is None or got[0] is not device or got[1].numel() < length or got[2].numel() < need:
+            if id(wrapper) in self._captured and got is not None and got[0] is device:
+                raise RuntimeError("a captured schedule kernel's buffers would be reallocated")
+            src = torch.empty(length, dtype=torch.int32, device=self.device)
+            tmp = torch.empty(need, dtype=torch.int32, device=self.device)
+            got = self._scratch[id(wrapper)] = (device, src, tmp)
+        return got[1], got[2]
 
     def planned(self, wrapper: Any, head_dim: int) -> tuple[np.ndarray, np.ndarray] | None:
         """FlashInfer's schedule of ``wrapper``'s last plan, read as the rewrite reads it (from
@@ -185,6 +264,11 @@ class SM90Rebalance:
         self._layouts[id(wrapper)] = (info, pinned, device, placed)
         return placed
 
+    def forget(self, wrapper: Any) -> None:
+        """Drop what is kept for ``wrapper`` (its bucket's graphs are gone)."""
+        for kept in (self._layouts, self._scratch, self._captured):
+            kept.pop(id(wrapper), None)
+
     def _wait(self) -> None:
         if self._pending:
             self._copied.synchronize()  # long done in steady state: a query, no wait
@@ -196,3 +280,11 @@ class SM90Rebalance:
             self._failed = why
             log.warning("SM90 prefill schedule kept as FlashInfer planned it: %s", why)
         return False
+
+
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True

@@ -89,6 +89,8 @@ class FullGraphRunner(GraphRunner):
                 def span(start: int = start, stop: int = stop, variant: str = variant) -> Any:
                     # bind inside the captured function: the per-forward attention layout is
                     # part of the graph, recomputed from the static buffers at every replay
+                    if start == 0:  # device work on the plan, before layer 0's attention
+                        attention.graph_prologue(bucket, variant)
                     bound = attention.bind_variant(batch, variant)
                     first = state.state(bucket)  # where the previous graph left it
                     got = model.forward_span(start, stop, first, positions, bound, qkv_out=qkv)
