@@ -290,3 +290,29 @@ def test_a_captured_rewrite_refuses_a_plan_whose_layout_moved():
         balance(w, 128, defer=True)
     balance.forget(w)  # its bucket dropped: a new capture may record another layout
     assert balance(w, 128, defer=True)
+
+
+@pytest.mark.parametrize("ctas", [H100_SMS, 78, 16])
+def test_the_start_up_probe_is_a_plan_the_rewrite_really_deals(ctas):
+    """The probe that decides, at start-up, whether the device rewrite is trusted compares it
+    with the host rewrite on a synthetic plan: that plan must be one the host rewrite changes
+    (a probe both rewrites left alone would prove nothing), laid out as FlashInfer lays its
+    own (the layout checks pass)."""
+    from service.ranks.attention.sm90_schedule import (
+        SM90Rebalance,
+        _Probe,
+        device_rewrite_error,
+        probe_plan,
+    )
+
+    info, ints = probe_plan(ctas)
+    probe = _Probe(info, ints, torch.device("cpu"))
+    before = probe._int_workspace_buffer.clone()
+    assert SM90Rebalance(torch.device("cpu"), num_ctas=ctas)(probe, 128)
+    assert not torch.equal(probe._int_workspace_buffer, before)
+    items, _ = device_schedule(probe, SM90Rebalance(torch.device("cpu"), num_ctas=ctas))
+    assert len(items) == -(-3 * ctas // 16) * 16  # every item still there
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # CI's CPU machine: the probe says why the device cannot deal
+        assert "triton does not import" in device_rewrite_error(torch.device("cpu"), ctas)

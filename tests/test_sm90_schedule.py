@@ -82,6 +82,19 @@ def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens, 
         assert np.array_equal(host, ours) and np.array_equal(host_wi, our_wi)
 
 
+def test_the_start_up_probe_trusts_the_device_rewrite_here():
+    """On sm90 with triton the probe plan is dealt on the device exactly as on the host, so a
+    rank that asks for the balanced schedule deals it on the device."""
+    from service.ranks.attention.sm90_schedule import SM90Rebalance, device_rewrite_error
+
+    if _triton_missing():
+        pytest.skip(f"the device rewrite needs triton: {_triton_missing()}")
+    dev = torch.device("cuda")
+    num_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert device_rewrite_error(dev, num_ctas) is None
+    assert SM90Rebalance(dev).on_device
+
+
 def test_the_device_rewrite_keeps_a_schedule_it_cannot_shorten_or_read():
     """One item per CTA (nothing to gain) and CTA ranges that do not start at 0 (not a schedule
     the kernel can read): the device arrays stay FlashInfer's, byte for byte."""

@@ -17,6 +17,7 @@ permuted, so none can be lost or repeated.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.ranks.attention.sm90_balance import item_costs, rebalanced, tile_rows
+from service.ranks.attention.sm90_balance import CTA_TILE_Q, item_costs, rebalanced, tile_rows
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class SM90Rebalance:
             num_ctas = torch.cuda.get_device_properties(device).multi_processor_count
         self.num_ctas = num_ctas
         if on_device is None:
-            on_device = cuda and _triton_imports()
+            on_device = cuda and _device_rewrite_checked(device, num_ctas)
         if on_device and not cuda:
             raise ValueError("the device rewrite needs a CUDA device")
         self.on_device = on_device
@@ -282,9 +283,67 @@ class SM90Rebalance:
         return False
 
 
-def _triton_imports() -> bool:
+class _Probe:
+    """A wrapper-shaped holder of one synthetic SM90 plan: what the rewrite reads of a wrapper."""
+
+    _backend = "fa3"
+
+    def __init__(self, plan_info: list[int], ints: np.ndarray, device: torch.device) -> None:
+        self._plan_info = plan_info
+        self._pin_memory_int_workspace_buffer = torch.from_numpy(ints.view(np.uint8))
+        self._int_workspace_buffer = self._pin_memory_int_workspace_buffer.to(device, copy=True)
+
+
+def probe_plan(num_ctas: int, tiles: int = 16) -> tuple[list[int], np.ndarray]:
+    """A plan as FlashInfer's SM90 plan lays one out: one causal request of ``tiles`` query tiles
+    on enough heads for three items per CTA, listed head by head from the last tile to the first
+    and cut into equal runs per CTA (a schedule the snake shortens); its plan info and its int
+    buffer."""
+    heads = -(-3 * num_ctas // tiles)
+    n, rows = heads * tiles, CTA_TILE_Q
+    items = np.array(
+        [(t, 0, 0, tiles * rows, tiles * rows, h, 0) for h in range(heads)
+         for t in reversed(range(tiles))], dtype=np.int32,
+    )  # fmt: skip
+    work_indptr = np.linspace(0, n, num_ctas + 1).astype(np.int32)
+    at, offsets = 64, []  # FlashInfer's allocator: in FIELDS order, 16-byte aligned
+    for f in FIELDS:
+        offsets.append(at)
+        at = -(-(at + 4 * (num_ctas + 1 if f == "work_indptr" else n + 3)) // 16) * 16
+    ints = np.full(at // 4 + 8, -7, dtype=np.int32)
+    for f, off in zip(FIELDS, offsets, strict=True):
+        got = work_indptr if f == "work_indptr" else items[:, ITEM_FIELDS.index(f)]
+        ints[off // 4 : off // 4 + got.shape[0]] = got
+    return [*offsets, 0], ints
+
+
+@functools.cache
+def device_rewrite_error(device: torch.device, num_ctas: int) -> str | None:
+    """None where the device rewrite deals a synthetic plan (:func:`probe_plan`) into exactly the
+    bytes the host rewrite writes, else why not (triton missing, the kernel failing to build or
+    run, or other bytes). Once per device: ranks that ask for the balanced schedule check it at
+    start-up and deal on the host where it fails."""
     try:
         import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as exc:
+        return f"triton does not import ({type(exc).__name__}: {exc})".splitlines()[0]
+    try:
+        info, ints = probe_plan(num_ctas)
+        host, dev = _Probe(info, ints, device), _Probe(info, ints, device)
+        if not SM90Rebalance(device, num_ctas, on_device=False)(host, 128):
+            return "the host rewrite kept the probe plan (the probe is wrong)"
+        SM90Rebalance(device, num_ctas, on_device=True)(dev, 128)
+        if not torch.equal(dev._int_workspace_buffer, host._int_workspace_buffer):
+            return "the device rewrite dealt the probe plan otherwise than the host rewrite"
+    except Exception as exc:
+        return f"the device rewrite failed ({type(exc).__name__}: {exc})".splitlines()[0]
+    return None
+
+
+def _device_rewrite_checked(device: torch.device, num_ctas: int) -> bool:
+    err = device_rewrite_error(device, num_ctas)
+    if err is None:
+        log.info("SM90 prefill schedule: dealt on the device (a probe plan dealt as the host does)")
+    else:
+        log.warning("SM90 prefill schedule: dealt on the host, not the device: %s", err)
+    return err is None
