@@ -235,8 +235,9 @@ def choose_prefill_schedule(
     """Which SM runs which work item of the prefill attention kernel: "balanced" (FlashInfer's
     FA3 items dealt again longest first across heads, service.ranks.attention.sm90_balance) or
     "own" (the kernel's own schedule). Only FA3 takes a schedule from the host. ``auto`` keeps
-    the kernel's own: the balanced schedule's kernel is faster, but its host work before each
-    prefill cost more than it saved in session 43's A/B (docs/benchmarks.md)."""
+    the kernel's own: the balanced schedule's kernel is faster, but dealt on the host its work
+    before each prefill left the device idle for as long (sessions 43-44, docs/benchmarks.md),
+    and the device rewrite that removes that work has not run on a GPU yet."""
     flag = "--prefill-schedule"
     blocker = None
     if attention != "flashinfer":
@@ -259,8 +260,9 @@ def choose_prefill_schedule(
     if blocker is None:  # docs/benchmarks.md, session 43
         return BackendChoice(
             "own",
-            "auto: FlashInfer's schedule; the balanced one cut FA3's device time by 12-29% but "
-            f"no prefill per call on an H100 (ask for it with {flag} balanced)",
+            "auto: FlashInfer's schedule; the balanced one cut FA3's device time by 12-29%, but "
+            "dealt on the host it made no prefill faster on an H100, and dealt on the device it "
+            f"is not yet measured (ask for it with {flag} balanced)",
         )
     return BackendChoice("own", f"auto: {blocker}")
 
