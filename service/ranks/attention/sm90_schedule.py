@@ -340,6 +340,7 @@ def device_rewrite_error(device: torch.device, num_ctas: int) -> str | None:
     return None
 
 
+@functools.cache  # logged once per device, however many attention backends ask
 def _device_rewrite_checked(device: torch.device, num_ctas: int) -> bool:
     err = device_rewrite_error(device, num_ctas)
     if err is None:
