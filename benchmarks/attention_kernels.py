@@ -168,8 +168,9 @@ def balance_rows(
 
 
 def balance_host_us(call: Any, args: argparse.Namespace) -> float:
-    """Median host us of the rewrite alone, after one plan (it reads the plan's pinned schedule
-    and queues one copy: repeatable); with ``--balance-profile``, cProfile's top functions."""
+    """Median host us of the rewrite alone, after one plan (repeatable: the host rewrite reads
+    the plan's pinned schedule and queues one copy, the device rewrite queues a copy and its
+    kernel); with ``--balance-profile``, cProfile's top functions."""
     import cProfile
     import pstats
     import statistics

@@ -153,30 +153,13 @@ def test_server_info_reports_the_schedule_and_why():
     }
 
 
-class FakeWrapper:
-    """What SM90Rebalance reads of a FlashInfer wrapper after an SM90 plan: the backend, the plan
-    info, the pinned schedule buffer the plan wrote and the int workspace its copy filled (both
-    host tensors here)."""
+def fake_wrapper(items: np.ndarray, work_indptr: np.ndarray, spare: int = 5):
+    """What SM90Rebalance reads of a FlashInfer wrapper after an SM90 plan (the backend, the plan
+    info, the pinned schedule buffer the plan wrote and the int workspace its copy filled), both
+    buffers host tensors here."""
+    from service.ranks.attention.sm90_schedule import LaidOutPlan
 
-    _backend = "fa3"
-
-    def __init__(self, items: np.ndarray, work_indptr: np.ndarray, spare: int = 5) -> None:
-        from service.ranks.attention.sm90_schedule import FIELDS, ITEM_FIELDS
-
-        n = items.shape[0]
-        at, offsets = 64, {}  # FlashInfer's allocator: in FIELDS order, 16-byte aligned
-        for f in FIELDS:
-            offsets[f] = at
-            size = 4 * (work_indptr.shape[0] if f == "work_indptr" else n + spare)
-            at = -(-(at + size) // 16) * 16
-        host = np.full(at // 4 + 32, -7, dtype=np.int32)  # -7: bytes no array owns
-        for k, f in enumerate(ITEM_FIELDS):
-            host[offsets[f] // 4 : offsets[f] // 4 + n] = items[:, k]
-        host[offsets["work_indptr"] // 4 :][: work_indptr.shape[0]] = work_indptr
-        self._plan_info = [*offsets.values(), 0]
-        self._pin_memory_int_workspace_buffer = torch.from_numpy(host.view(np.uint8))
-        self._int_workspace_buffer = self._pin_memory_int_workspace_buffer.clone()  # the copy
-        self.offsets = offsets
+    return LaidOutPlan(items, work_indptr, torch.device("cpu"), spare)
 
 
 def device_schedule(w, balance) -> tuple[np.ndarray, np.ndarray]:
@@ -201,7 +184,7 @@ def test_the_rewrite_deals_flashinfers_items_again_in_the_arrays_the_kernel_read
     from service.ranks.attention.sm90_schedule import SM90Rebalance
 
     theirs, their_wi = flashinfer_items(lens, 12, H100_SMS)
-    w = FakeWrapper(theirs, their_wi)
+    w = fake_wrapper(theirs, their_wi)
     before = w._int_workspace_buffer.clone()
     balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
     assert balance(w, 128) and balance.applied == 1
@@ -229,7 +212,7 @@ def test_a_plan_it_cannot_read_keeps_flashinfers_schedule_and_says_so_once(caplo
     from service.ranks.attention.sm90_schedule import SM90Rebalance
 
     theirs, wi = flashinfer_items([2048], 12, H100_SMS)
-    w = FakeWrapper(theirs, wi)
+    w = fake_wrapper(theirs, wi)
     w._plan_info = w._plan_info[:-1]  # not the nine fields of PrefillPlanSM90Info
     before = w._int_workspace_buffer.clone()
     balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
@@ -239,7 +222,7 @@ def test_a_plan_it_cannot_read_keeps_flashinfers_schedule_and_says_so_once(caplo
     warned = [r.message for r in caplog.records if "SM90 prefill schedule kept" in r.message]
     assert warned == ["SM90 prefill schedule kept as FlashInfer planned it: the plan info is not "
                       "FlashInfer's SM90 layout"]  # fmt: skip
-    small = FakeWrapper(*flashinfer_items([1024], 12, H100_SMS))  # 96 items: one CTA each
+    small = fake_wrapper(*flashinfer_items([1024], 12, H100_SMS))  # 96 items: one CTA each
     assert not balance(small, 128) and balance.kept == 3
 
 
@@ -251,9 +234,9 @@ def test_a_new_wrapper_in_a_dropped_wrappers_place_is_read_from_its_own_buffers(
     from service.ranks.attention.sm90_schedule import SM90Rebalance
 
     balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
-    old = FakeWrapper(*flashinfer_items([2048], 12, H100_SMS))
+    old = fake_wrapper(*flashinfer_items([2048], 12, H100_SMS))
     assert balance(old, 128)
-    new = FakeWrapper(*flashinfer_items([2048], 12, H100_SMS))
+    new = fake_wrapper(*flashinfer_items([2048], 12, H100_SMS))
     new._plan_info = old._plan_info  # the same layout
     monkeypatch.setattr(sm90_schedule, "id", lambda w: 1, raising=False)  # the same id
     balance._layouts = {1: balance._layouts[id(old)]}
@@ -275,7 +258,7 @@ def test_a_captured_rewrite_refuses_a_plan_whose_layout_moved():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS, on_device=True)
     balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
-    w = FakeWrapper(*flashinfer_items([2048], 12, H100_SMS))
+    w = fake_wrapper(*flashinfer_items([2048], 12, H100_SMS))
     with pytest.raises(ValueError, match="needs the device rewrite"):
         balance(w, 128, defer=True)
     balance.on_device = True  # what a CUDA rank with triton has; deferred: nothing is launched
@@ -284,7 +267,7 @@ def test_a_captured_rewrite_refuses_a_plan_whose_layout_moved():
     assert torch.equal(w._int_workspace_buffer, before)
     balance._captured[id(w)] = balance._layout(w, True)  # as the capture records it
     assert balance(w, 128, same_info=True, defer=True)  # the same layout: fine
-    moved = FakeWrapper(*flashinfer_items([2048, 512], 12, H100_SMS))
+    moved = fake_wrapper(*flashinfer_items([2048, 512], 12, H100_SMS))
     w._plan_info = moved._plan_info  # a plan with other offsets into the same buffers
     with pytest.raises(RuntimeError, match="layout changed under a captured"):
         balance(w, 128, defer=True)
@@ -300,13 +283,11 @@ def test_the_start_up_probe_is_a_plan_the_rewrite_really_deals(ctas):
     own (the layout checks pass)."""
     from service.ranks.attention.sm90_schedule import (
         SM90Rebalance,
-        _Probe,
         device_rewrite_error,
-        probe_plan,
+        probe_items,
     )
 
-    info, ints = probe_plan(ctas)
-    probe = _Probe(info, ints, torch.device("cpu"))
+    probe = fake_wrapper(*probe_items(ctas), spare=3)  # as the probe lays it out
     before = probe._int_workspace_buffer.clone()
     assert SM90Rebalance(torch.device("cpu"), num_ctas=ctas)(probe, 128)
     assert not torch.equal(probe._int_workspace_buffer, before)

@@ -128,7 +128,7 @@ class SM90Rebalance:
             return self._keep("the plan info is not FlashInfer's SM90 layout")
         if self.on_device:
             if not defer:
-                return self.launch(wrapper, head_dim)
+                return self._deal_on_device(wrapper, head_dim, got)
             captured = self._captured.get(id(wrapper))
             if captured is not None and captured is not got:
                 raise RuntimeError(
@@ -183,6 +183,10 @@ class SM90Rebalance:
         got = self._layout(wrapper, True)  # the plan just made, or the one the capture planned
         if got is None:
             return self._keep("the plan info is not FlashInfer's SM90 layout")
+        return self._deal_on_device(wrapper, head_dim, got)
+
+    def _deal_on_device(self, wrapper: Any, head_dim: int, got: Placed) -> bool:
+        """Queue the copy of ``got``'s region and the kernel that deals it again."""
         from service.ranks.attention import sm90_triton
 
         layout, _, region = got
@@ -283,43 +287,53 @@ class SM90Rebalance:
         return False
 
 
-class _Probe:
-    """A wrapper-shaped holder of one synthetic SM90 plan: what the rewrite reads of a wrapper."""
+class LaidOutPlan:
+    """A plan's int buffer laid out as FlashInfer's SM90 plan lays one out, held as a wrapper
+    holds it (what the rewrite reads of a wrapper): the arrays in FIELDS order from byte 64,
+    each 16-byte aligned and ``spare`` entries longer than the items, -7 in every byte no array
+    owns; the pinned buffer as the plan wrote it and the int workspace on ``device`` as its copy
+    left it. ``items``: (n, 7) rows of ITEM_FIELDS."""
 
     _backend = "fa3"
 
-    def __init__(self, plan_info: list[int], ints: np.ndarray, device: torch.device) -> None:
-        self._plan_info = plan_info
+    def __init__(
+        self, items: np.ndarray, work_indptr: np.ndarray, device: torch.device, spare: int = 3
+    ) -> None:
+        n = items.shape[0]
+        at, offsets = 64, {}  # FlashInfer's allocator: in FIELDS order, 16-byte aligned
+        for f in FIELDS:
+            offsets[f] = at
+            at = (
+                -(-(at + 4 * (work_indptr.shape[0] if f == "work_indptr" else n + spare)) // 16)
+                * 16
+            )
+        ints = np.full(at // 4 + 32, -7, dtype=np.int32)
+        for k, f in enumerate(ITEM_FIELDS):
+            ints[offsets[f] // 4 : offsets[f] // 4 + n] = items[:, k]
+        ints[offsets["work_indptr"] // 4 :][: work_indptr.shape[0]] = work_indptr
+        self.offsets = offsets  # field -> byte offset
+        self._plan_info = [*offsets.values(), 0]
         self._pin_memory_int_workspace_buffer = torch.from_numpy(ints.view(np.uint8))
         self._int_workspace_buffer = self._pin_memory_int_workspace_buffer.to(device, copy=True)
 
 
-def probe_plan(num_ctas: int, tiles: int = 16) -> tuple[list[int], np.ndarray]:
-    """A plan as FlashInfer's SM90 plan lays one out: one causal request of ``tiles`` query tiles
-    on enough heads for three items per CTA, listed head by head from the last tile to the first
-    and cut into equal runs per CTA (a schedule the snake shortens); its plan info and its int
-    buffer."""
+def probe_items(num_ctas: int, tiles: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """A schedule the snake shortens: one causal request of ``tiles`` query tiles on enough
+    heads for three items per CTA, listed head by head from the last tile to the first (as
+    FlashInfer lists them) and cut into equal runs per CTA; its items (rows of ITEM_FIELDS)
+    and CTA ranges."""
     heads = -(-3 * num_ctas // tiles)
-    n, rows = heads * tiles, CTA_TILE_Q
+    n, length = heads * tiles, tiles * CTA_TILE_Q
     items = np.array(
-        [(t, 0, 0, tiles * rows, tiles * rows, h, 0) for h in range(heads)
-         for t in reversed(range(tiles))], dtype=np.int32,
-    )  # fmt: skip
-    work_indptr = np.linspace(0, n, num_ctas + 1).astype(np.int32)
-    at, offsets = 64, []  # FlashInfer's allocator: in FIELDS order, 16-byte aligned
-    for f in FIELDS:
-        offsets.append(at)
-        at = -(-(at + 4 * (num_ctas + 1 if f == "work_indptr" else n + 3)) // 16) * 16
-    ints = np.full(at // 4 + 8, -7, dtype=np.int32)
-    for f, off in zip(FIELDS, offsets, strict=True):
-        got = work_indptr if f == "work_indptr" else items[:, ITEM_FIELDS.index(f)]
-        ints[off // 4 : off // 4 + got.shape[0]] = got
-    return [*offsets, 0], ints
+        [(t, 0, 0, length, length, h, 0) for h in range(heads) for t in reversed(range(tiles))],
+        dtype=np.int32,
+    )
+    return items, np.linspace(0, n, num_ctas + 1).astype(np.int32)
 
 
 @functools.cache
 def device_rewrite_error(device: torch.device, num_ctas: int) -> str | None:
-    """None where the device rewrite deals a synthetic plan (:func:`probe_plan`) into exactly the
+    """None where the device rewrite deals a synthetic plan (:func:`probe_items`) into exactly the
     bytes the host rewrite writes, else why not (triton missing, the kernel failing to build or
     run, or other bytes). Once per device: ranks that ask for the balanced schedule check it at
     start-up and deal on the host where it fails."""
@@ -328,8 +342,8 @@ def device_rewrite_error(device: torch.device, num_ctas: int) -> str | None:
     except Exception as exc:
         return f"triton does not import ({type(exc).__name__}: {exc})".splitlines()[0]
     try:
-        info, ints = probe_plan(num_ctas)
-        host, dev = _Probe(info, ints, device), _Probe(info, ints, device)
+        items, work_indptr = probe_items(num_ctas)
+        host, dev = (LaidOutPlan(items, work_indptr, device) for _ in range(2))
         if not SM90Rebalance(device, num_ctas, on_device=False)(host, 128):
             return "the host rewrite kept the probe plan (the probe is wrong)"
         SM90Rebalance(device, num_ctas, on_device=True)(dev, 128)
