@@ -12,11 +12,8 @@ which numpy 2.4 refuses; this script wraps the interpreter's tensor patch to tak
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run in numpy
-
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -60,6 +57,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=60, help="random batches")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run in numpy
     _interpreter_takes_numpy_2_4()
     from service.ranks.attention.sm90_schedule import probe_items
     from tests.test_sm90_balance import flashinfer_items
