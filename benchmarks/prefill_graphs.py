@@ -398,7 +398,10 @@ def main() -> int:
     ap.add_argument("--gate-up-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--rope-store-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--splitk-norm-kernel", choices=("auto", "triton", "torch"), default="auto")
-    ap.add_argument("--prefill-schedule", choices=("auto", "balanced", "own"), default="auto")
+    ap.add_argument(
+        "--prefill-schedule", choices=("auto", "balanced", "own"), default="auto",
+        help="one for every backend of the run; auto: the service's choice for the first backend",
+    )  # fmt: skip
     ap.add_argument("--hf-compiled", default="", help="token counts to measure HF compiled at")
     ap.add_argument(
         "--kernel-count-buckets",
@@ -430,6 +433,9 @@ def main() -> int:
         rope_store_kernel=args.rope_store_kernel,
         splitk_norm_kernel=args.splitk_norm_kernel,
         decode=DecodeGraphConfig(enabled=False),
+        # one rank serves every backend of the run: `--prefill-schedule auto` is chosen for the
+        # first of them, as the service chooses it for its --prefill-backend
+        graph=GraphConfig(args.backends.split(",")[0]),
         # named only when asked for, so that an A/B arm of an older tree (no such field) runs
         **({"prefill_schedule": args.prefill_schedule} if args.prefill_schedule != "auto" else {}),
     )
@@ -652,6 +658,9 @@ def main() -> int:
     print(f"gate_up kernel: {info.gate_up.name} ({info.gate_up.reason})")
     print(f"rope_store kernel: {info.rope_store.name} ({info.rope_store.reason})")
     print(f"splitk_norm kernel: {info.splitk_norm.name} ({info.splitk_norm.reason})")
+    schedule = getattr(info, "prefill_schedule", None)  # an A/B arm's older tree may lack it
+    if schedule is not None:
+        print(f"prefill schedule, every backend: {schedule.name} ({schedule.reason})")
     if rates and rates["copy"]:
         print(
             f"measured: copy {rates['copy'] / 1e12:.2f} TB/s, bf16 matmul sustained "

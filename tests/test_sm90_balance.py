@@ -107,34 +107,54 @@ def test_the_snake_deals_each_cta_one_item_a_round(costs, ctas):
         assert np.all(np.diff(mine) <= 0)
 
 
-def test_the_schedule_is_fa3s_own_unless_asked_for_and_says_why():
+def test_auto_deals_fa3s_schedule_again_for_full_only_and_says_why():
     from service.errors import ConfigError
     from service.ranks.select import choose_prefill_schedule as choose
 
-    # where FA3 runs, auto keeps FlashInfer's schedule for now and says why; asked for, balanced
+    # where FA3 runs, auto deals again for `full` (a captured kernel) and keeps FlashInfer's
+    # schedule for the backends that queue the kernel per plan; asked for, balanced anywhere
     for kernel in ("auto", "fa3"):
-        auto = choose("auto", "flashinfer", kernel, (9, 0), mla=False)
-        assert auto.name == "own" and "--prefill-schedule balanced" in auto.reason
-        assert choose("balanced", "flashinfer", kernel, (9, 0), mla=False).name == "balanced"
-    why = {
-        "torch attention": choose("auto", "torch", "auto", (9, 0), mla=False),
-        "FA2": choose("auto", "flashinfer", "fa2", (9, 0), mla=False),
-        "Blackwell": choose("auto", "flashinfer", "auto", (10, 0), mla=False),
-        "CPU": choose("auto", "torch", "auto", None, mla=False),
-        "MLA": choose("auto", "flashinfer", "auto", (9, 0), mla=True),
-    }
-    assert {c.name for c in why.values()} == {"own"}
+        full = choose("auto", "flashinfer", kernel, (9, 0), mla=False, prefill_backend="full")
+        assert full.name == "balanced" and "full" in full.reason
+        for backend in ("breakable", "tc_piecewise", "eager"):
+            auto = choose("auto", "flashinfer", kernel, (9, 0), mla=False,
+                          prefill_backend=backend)  # fmt: skip
+            assert auto.name == "own" and "--prefill-schedule balanced" in auto.reason
+            assert backend in auto.reason
+            asked = choose("balanced", "flashinfer", kernel, (9, 0), mla=False,
+                           prefill_backend=backend)  # fmt: skip
+            assert asked.name == "balanced"
+
+    # the start-up probe runs only where auto would deal again; where it fails, the rewrite
+    # would be the host's (no faster for `full`), so auto keeps FlashInfer's schedule
+    def no_probe() -> str | None:
+        raise AssertionError("probed where auto keeps FlashInfer's schedule")
+
+    failed = choose("auto", "flashinfer", "auto", (9, 0), False, "full",
+                    lambda: "triton does not import (ImportError)")  # fmt: skip
+    assert failed.name == "own" and "triton does not import" in failed.reason
+    assert choose("auto", "flashinfer", "auto", (9, 0), False, "breakable", no_probe).name == "own"
+    assert choose("own", "flashinfer", "auto", (9, 0), False, "full", no_probe).name == "own"
+    for backend in ("full", "breakable"):  # where FA3 does not run, never
+        why = {
+            "torch attention": choose("auto", "torch", "auto", (9, 0), False, backend),
+            "FA2": choose("auto", "flashinfer", "fa2", (9, 0), False, backend),
+            "Blackwell": choose("auto", "flashinfer", "auto", (10, 0), False, backend),
+            "CPU": choose("auto", "torch", "auto", None, False, backend),
+            "MLA": choose("auto", "flashinfer", "auto", (9, 0), True, backend),
+        }
+        assert {c.name for c in why.values()} == {"own"}
+        assert (
+            "torch's" in why["torch attention"].reason
+            and "--flashinfer-kernel fa2" in why["FA2"].reason
+        )
+        assert "sm100" in why["Blackwell"].reason and "MLA" in why["MLA"].reason
     assert (
-        "torch's" in why["torch attention"].reason
-        and "--flashinfer-kernel fa2" in why["FA2"].reason
-    )
-    assert "sm100" in why["Blackwell"].reason and "MLA" in why["MLA"].reason
-    assert (
-        choose("own", "flashinfer", "auto", (9, 0), mla=False).reason
+        choose("own", "flashinfer", "auto", (9, 0), False, "full").reason
         == "asked for (--prefill-schedule own)"
     )
     with pytest.raises(ConfigError, match=r"--prefill-schedule balanced cannot run here: .*FA2"):
-        choose("balanced", "flashinfer", "fa2", (9, 0), mla=False)
+        choose("balanced", "flashinfer", "fa2", (9, 0), False, "full")
 
 
 def test_server_info_reports_the_schedule_and_why():
@@ -273,6 +293,28 @@ def test_a_captured_rewrite_refuses_a_plan_whose_layout_moved():
         balance(w, 128, defer=True)
     balance.forget(w)  # its bucket dropped: a new capture may record another layout
     assert balance(w, 128, defer=True)
+
+
+def test_the_device_rewrite_is_not_launched_for_a_plan_of_one_item_per_cta(monkeypatch):
+    """A segment backend's small buckets: one request of up to 1,024 tokens gives FA3 at most
+    one item per CTA, which no schedule shortens, so no kernel is queued (its launch cost the
+    segment backends 3-6% at 16-1,024 tokens on the H200, session 45). Inside a capture the
+    kernel is always taken: the graph's replays deal later plans."""
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
+    balance.on_device = True  # what a CUDA rank with triton has
+    queued: list[object] = []
+    monkeypatch.setattr(balance, "_deal_on_device", lambda w, d, got: queued.append(w) or True)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    small = fake_wrapper(*flashinfer_items([1024], 12, H100_SMS))  # 96 items
+    large = fake_wrapper(*flashinfer_items([2048], 12, H100_SMS))  # 192 items
+    many = fake_wrapper(*flashinfer_items([64] * 12, 12, H100_SMS))  # 144 items of 64 rows
+    assert not balance(small, 128) and balance.kept == 1 and queued == []
+    assert balance(large, 128) and balance(many, 128) and queued == [large, many]
+    capturing[0] = True
+    assert balance(small, 128) and queued == [large, many, small]
 
 
 @pytest.mark.parametrize("ctas", [H100_SMS, 78, 16])

@@ -9,6 +9,8 @@ explicit ``flashinfer`` that cannot run is an error that names the missing piece
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from service.errors import ConfigError
 from service.rank_info import BackendChoice
 
@@ -231,13 +233,25 @@ def choose_prefill_schedule(
     flashinfer_kernel: str,
     capability: tuple[int, int] | None,
     mla: bool,
+    prefill_backend: str,
+    device_rewrite_error: Callable[[], str | None] = lambda: None,
 ) -> BackendChoice:
     """Which SM runs which work item of the prefill attention kernel: "balanced" (FlashInfer's
     FA3 items dealt again longest first across heads, service.ranks.attention.sm90_balance) or
-    "own" (the kernel's own schedule). Only FA3 takes a schedule from the host. ``auto`` keeps
-    the kernel's own: the balanced schedule's kernel is faster, but dealt on the host its work
-    before each prefill left the device idle for as long (sessions 43-44, docs/benchmarks.md),
-    and the device rewrite that removes that work has not run on a GPU yet."""
+    "own" (the kernel's own schedule). Only FA3 takes a schedule from the host.
+
+    ``auto`` takes the balanced schedule for ``full``, whose graph deals each plan with a
+    captured kernel: on the H200 (docs/benchmarks.md, session 45) that made ``full`` 3-5%
+    faster at 2,048 tokens and up to 2% from 4,096, and at most 1.6% slower below (256 tokens).
+    The segment backends and eager queue the kernel after each plan; measured so, they were
+    1-3% faster at 2,048 tokens but 1-17% slower at 16-1,024, where the launch was pure cost.
+    The launch is now skipped where the plan has at most one item per CTA; until that is
+    measured they keep the kernel's own schedule.
+
+    ``device_rewrite_error``: the start-up probe of the device rewrite (service.ranks.attention.
+    sm90_schedule.device_rewrite_error), run only where ``auto`` would deal again: where it
+    fails, the rewrite would run on the host, which made ``full`` no faster (session 44), so
+    ``auto`` keeps FlashInfer's schedule and says why."""
     flag = "--prefill-schedule"
     blocker = None
     if attention != "flashinfer":
@@ -257,12 +271,21 @@ def choose_prefill_schedule(
         return BackendChoice("balanced", f"asked for ({flag} balanced)")
     if requested != "auto":
         raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, balanced, own")
-    if blocker is None:  # docs/benchmarks.md, session 43
+    if blocker is None and prefill_backend == "full":  # docs/benchmarks.md, session 45
+        failed = device_rewrite_error()
+        if failed is not None:
+            return BackendChoice("own", f"auto: the device rewrite failed its check ({failed})")
+        return BackendChoice(
+            "balanced",
+            "auto: sm90, FA3, prefill backend full (its graphs deal each plan on the device; "
+            "3-5% faster at 2,048 tokens on the H200)",
+        )
+    if blocker is None:
         return BackendChoice(
             "own",
-            "auto: FlashInfer's schedule; the balanced one cut FA3's device time by 12-29%, but "
-            "dealt on the host it made no prefill faster on an H100, and dealt on the device it "
-            f"is not yet measured (ask for it with {flag} balanced)",
+            f"auto: FlashInfer's schedule for prefill backend {prefill_backend}: dealt again "
+            "after each plan, it was faster from 2,048 tokens but slower below on the H200 "
+            f"(ask for it with {flag} balanced)",
         )
     return BackendChoice("own", f"auto: {blocker}")
 

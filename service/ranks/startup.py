@@ -167,8 +167,9 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
             "use --prefill-backend breakable"
         )
     schedule = choose_prefill_schedule(
-        cfg.prefill_schedule, choice.name, cfg.flashinfer_kernel, capability, arch.mla is not None
-    )
+        cfg.prefill_schedule, choice.name, cfg.flashinfer_kernel, capability,
+        arch.mla is not None, cfg.graph.backend, lambda: _device_rewrite_error(device),
+    )  # fmt: skip
     log.info("Prefill schedule: %s (%s)", schedule.name, schedule.reason)
     eager, graph, decode = attention_backends(
         choice, cfg, model, kv, req_to_token, balanced=schedule.name == "balanced"
@@ -193,6 +194,14 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         prefill_schedule=schedule,
     )
     return RankSetup(cfg, tp, device, dtype, model, kv, req_to_token, eager, graph, decode, info)
+
+
+def _device_rewrite_error(device: torch.device) -> str | None:
+    """The balanced schedule's start-up probe (CUDA only: select asks where FA3 runs)."""
+    from service.ranks.attention.sm90_schedule import device_rewrite_error
+
+    ctas = torch.cuda.get_device_properties(device).multi_processor_count
+    return device_rewrite_error(device, ctas)
 
 
 def make_kernels(

@@ -128,6 +128,14 @@ class SM90Rebalance:
             return self._keep("the plan info is not FlashInfer's SM90 layout")
         if self.on_device:
             if not defer:
+                # an item per CTA at most (one request of up to 1,024 tokens): the kernel could
+                # only keep the plan, and its launch is host time a segment backend's device
+                # waits for at small buckets (docs/benchmarks.md, session 45). Read from the
+                # pinned buffer this plan wrote; a capture always takes the kernel, since its
+                # replays will deal other plans
+                if self._items_fit_ctas(got) and not torch.cuda.is_current_stream_capturing():
+                    self.kept += 1
+                    return False
                 return self._deal_on_device(wrapper, head_dim, got)
             captured = self._captured.get(id(wrapper))
             if captured is not None and captured is not got:
@@ -142,7 +150,7 @@ class SM90Rebalance:
         at = layout.at
         work_indptr = host[at["work_indptr"] : at["work_indptr"] + self.num_ctas + 1]
         n = int(work_indptr[-1])
-        if n <= self.num_ctas:  # an item per CTA at most, in either schedule: nothing to gain
+        if self._items_fit_ctas(got):  # an item per CTA at most, in either schedule: no gain
             self.kept += 1
             return False
         if work_indptr[0] != 0 or n > layout.capacity or (work_indptr[1:] < work_indptr[:-1]).any():
@@ -173,6 +181,12 @@ class SM90Rebalance:
             self._pending = True
         self.applied += 1
         return True
+
+    def _items_fit_ctas(self, got: Placed) -> bool:
+        """Whether the plan in the pinned buffer has at most one item per CTA (FlashInfer's item
+        count is the CTA ranges' end)."""
+        layout, host, _ = got
+        return int(host[layout.at["work_indptr"] + self.num_ctas]) <= self.num_ctas
 
     def launch(self, wrapper: Any, head_dim: int) -> bool:
         """Queue the device rewrite of ``wrapper``'s last plan (captured, when called inside a
