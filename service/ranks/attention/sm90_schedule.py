@@ -150,7 +150,7 @@ class SM90Rebalance:
         at = layout.at
         work_indptr = host[at["work_indptr"] : at["work_indptr"] + self.num_ctas + 1]
         n = int(work_indptr[-1])
-        if self._items_fit_ctas(got):  # an item per CTA at most, in either schedule: no gain
+        if n <= self.num_ctas:  # an item per CTA at most, in either schedule: nothing to gain
             self.kept += 1
             return False
         if work_indptr[0] != 0 or n > layout.capacity or (work_indptr[1:] < work_indptr[:-1]).any():
@@ -184,7 +184,7 @@ class SM90Rebalance:
 
     def _items_fit_ctas(self, got: Placed) -> bool:
         """Whether the plan in the pinned buffer has at most one item per CTA (FlashInfer's item
-        count is the CTA ranges' end)."""
+        count is the CTA ranges' end; the host rewrite reads it with the ranges it needs)."""
         layout, host, _ = got
         return int(host[layout.at["work_indptr"] + self.num_ctas]) <= self.num_ctas
 
