@@ -159,3 +159,74 @@ def test_inductor_calls_the_twin_on_the_buffer_and_copies_nothing():
     assert "scale3_into.default(" in src and "copy" not in src.lower()
     assert got.data_ptr() == big.data_ptr() and _twin_outs == [big.data_ptr()]
     assert torch.equal(big[:7], sub(x_, w_)[0]) and big[7:].isnan().all()
+
+
+def _norm_piece(filler=None) -> fx.GraphModule:
+    """A piece's end with the split-K projection + add-RMSNorm op (service.model.splitk_op):
+    the new residual is a fresh ``empty_like`` tensor the op fills, returned beside the norm."""
+    g = fx.Graph()
+    x, w, residual, gamma = (g.placeholder(n) for n in ("x", "w", "residual", "gamma"))
+    new = g.call_function(torch.empty_like, (residual,))
+    if filler is None:
+        op = torch.ops.capture_service.row_linear_add_rms_norm.default
+        normed = g.call_function(op, (x, w, residual, gamma, 1e-6, new))
+    else:  # something else writing into the fresh tensor
+        normed = g.call_function(filler, (residual, gamma), {"out": new})
+    g.output((normed, new))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _norm_inputs(rows: int):
+    g = torch.Generator().manual_seed(rows)
+    # K 512 (2 slices from 16 rows), N 256: at 64 rows the op splits, at 600 it does not
+    x, w = torch.randn(rows, 512, generator=g), torch.randn(256, 512, generator=g) / 512**0.5
+    return x, w, torch.randn(rows, 256, generator=g), torch.rand(256, generator=g) + 0.5
+
+
+def test_the_new_residual_the_norm_op_fills_is_the_hand_over_buffer_itself():
+    """The op is given the buffer as the tensor it fills: no ``empty_like`` left, the buffer
+    holds the new residual, the norm is the op's own; and the piece's input residual (the
+    previous piece's hand-over buffer) is left as it was."""
+    import service.model.splitk_op  # noqa: F401  (registers the op)
+
+    sub = _norm_piece()
+    red = redirect_outputs(sub)
+    assert red is not None and red.outputs == (1,)
+    assert torch.empty_like not in _targets(red.module)
+    for rows in (64, 600):
+        x, w, r, gamma = _norm_inputs(rows)
+        r0 = r.clone()
+        want = sub(x, w, r, gamma)
+        buf = torch.full((1024, 256), float("nan"))[:rows]
+        got = red.module(x, w, r, gamma, buf)
+        assert got[1] is buf and torch.equal(buf, want[1]) and torch.equal(got[0], want[0])
+        assert torch.equal(r, r0)
+        # and the values are the projection, the add and the norm
+        s = r0 + torch.nn.functional.linear(x, w)
+        torch.testing.assert_close(buf, s, rtol=1e-5, atol=1e-5)
+        norm = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma
+        torch.testing.assert_close(got[0], norm, rtol=1e-5, atol=1e-5)
+
+
+def test_an_empty_output_something_else_fills_keeps_its_copy():
+    assert redirect_outputs(_norm_piece(filler=torch.mul)) is None
+
+
+def test_inductor_runs_the_norm_op_on_the_buffer_and_copies_nothing():
+    """Compiled as tc_piecewise compiles a piece: the generated code passes the buffer to the
+    op and has no copy of the new residual (a piece that returned the op's fresh tensor would
+    copy it into the buffer)."""
+    import service.model.splitk_op  # noqa: F401
+    from torch._inductor.utils import run_and_get_code
+
+    sub = _norm_piece()
+    torch._dynamo.reset()
+    fn = torch.compile(run_into(sub), dynamic=True, fullgraph=True)
+    x, w, r, gamma = _norm_inputs(64)
+    want = sub(x, w, r, gamma)
+    big = torch.full((128, 256), float("nan"))
+    (normed, new), code = run_and_get_code(fn, [None, big[:64]], x, w, r, gamma)
+    src = "\n".join(code)
+    assert "row_linear_add_rms_norm.default(" in src and "copy" not in src.lower()
+    assert new.data_ptr() == big.data_ptr() and big[64:].isnan().all()
+    assert torch.equal(big[:64], want[1]) and torch.equal(normed, want[0])

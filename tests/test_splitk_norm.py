@@ -112,15 +112,21 @@ def test_server_info_reports_the_choice_with_its_reason():
     assert "CUDA device" in info["splitk_norm_kernel"]["reason"]
 
 
-def recording_kernels(calls: list[tuple[int, ...]]):
+def recording_kernels(calls: list[tuple[int, ...]], monkeypatch):
     """A stand-in for service.ranks.startup.make_kernels: the torch kernels, with the reference
-    summing norm behind the real split-K route, each call's partials shape appended to calls."""
+    summing norm behind the real split-K route; each sum's partials shape is appended to calls,
+    whichever route summed them (Kernels.add_rms_norm, or the op compiled pieces call)."""
+    reference = splitk.add_rms_norm
+
+    def recorded(parts, *a):
+        calls.append(tuple(parts.shape))
+        return reference(parts, *a)
+
+    monkeypatch.setattr(splitk, "add_rms_norm", recorded)
 
     def make(name, fused_gate_up=False, rope_store=False, splitk_norm=False) -> Kernels:
         k = Kernels()
-        k._splitk_norm = lambda parts, *a: (
-            calls.append(tuple(parts.shape)) or splitk.add_rms_norm(parts, *a)
-        )
+        k._splitk_norm = lambda *a: splitk.add_rms_norm(*a)
         return k
 
     return make
@@ -133,12 +139,13 @@ def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monk
     down really went through the sum (2 K-slices of the built-in's K = 256 and 768, at the
     batch's or the bucket's rows). A slicing that read the wrong columns, a norm that dropped a
     partial or forgot the residual, or partials reaching a consumer that wanted a tensor fail
-    here. tc_piecewise's compiled pieces keep inductor's own norm: no partials there."""
+    here. tc_piecewise's compiled pieces, traced once for every bucket, sum them in one op
+    that splits at each bucket's rows (service.model.splitk_op)."""
     import service.ranks.startup as startup
 
     calls: list[tuple[int, ...]] = []
     plain = small_engine(backend, "cpu")
-    monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls))
+    monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls, monkeypatch))
     routed = small_engine(backend, "cpu")
     at_capture = list(calls)
     layers = len(routed.executor.worker.model.layers)
@@ -157,8 +164,6 @@ def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monk
     assert (p_cache - r_cache).abs().max().item() < 1e-4 * p_cache.abs().max().item()
     if backend == "eager":  # o_proj's and down's sums of every layer, at the batch's rows
         assert calls.count((2, 48, 256)) == 2 * layers, calls
-    elif backend == "tc_piecewise":  # compiled pieces: inductor's own norm
-        assert not [c for c in at_capture if c[1] in (64, 256)], at_capture
     else:
         # on CPU a capture records the aten ops of one call (service.ranks.runners.op_trace) and
         # a replay re-runs them: the sums ran at capture (and at its warm-up call, where the
@@ -188,7 +193,7 @@ def test_decode_steps_split_from_16_requests_and_not_below(monkeypatch):
         return [o.output_ids for o in got], 2 * len(e.executor.worker.model.layers)
 
     plain = {n: generate(n)[0] for n in (16, 4)}
-    monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls))
+    monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls, monkeypatch))
     for n in (16, 4):
         calls.clear()
         ids, sums_a_step = generate(n)
@@ -249,8 +254,9 @@ def test_the_kernel_matches_the_reference_and_cublas_then_the_norm(tokens, n, k,
 def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeypatch):
     """The built-in model in bf16, eager and replayed, with the split-K kernel against the same
     weights without it: logits within the stated tolerance, the kernel really ran in the
-    captured graphs (full, breakable) and not in compiled pieces, and each replay within the same
-    tolerance of its eager."""
+    captured graphs (full, breakable: the model's route; tc_piecewise: the op its compiled
+    pieces call, service.model.splitk_op), and each replay within the same tolerance of its
+    eager."""
     _needs_triton()
     from service.model import splitk_triton
 
@@ -263,10 +269,7 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
     assert on.resolved.limits.splitk_norm.name == "triton"
     assert off.resolved.limits.splitk_norm.name == "torch"
     captured = list(rows)
-    if backend == "tc_piecewise":
-        assert 64 not in captured
-    else:
-        assert 64 in captured and 256 in captured
+    assert 64 in captured and 256 in captured
     outs = []
     for e in (on, off):
         w = e.executor.worker
@@ -306,7 +309,7 @@ def test_deepseeks_dense_layer_routes_down_through_the_summing_norm(backend, tmp
     outs = []
     for routed in (False, True):
         if routed:
-            monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls))
+            monkeypatch.setattr(startup, "make_kernels", recording_kernels(calls, monkeypatch))
         calls.clear()
         e = engine()  # a graph backend captures its buckets here, through the route
         greedy = SamplingParams(max_new_tokens=3, ignore_eos=True)

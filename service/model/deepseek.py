@@ -18,7 +18,7 @@ import torch
 
 from service.model.arch_config import ArchConfig
 from service.model.attention import AttendCall, AttentionKey, AttentionRegistry, BoundAttention
-from service.model.kernels import Kernels, SplitK
+from service.model.kernels import Kernels, RowOutput
 from service.model.llama import MLP, CausalLM, PreNormLayer
 from service.model.mla import MlaAttention, Rope
 from service.model.moe import MoE
@@ -44,7 +44,7 @@ class DeepseekDecoderLayer(PreNormLayer):
 
     def pre_attention(
         self,
-        x: torch.Tensor | SplitK,
+        x: RowOutput,
         residual: torch.Tensor | None,
         rope: Rope,
         decode: bool,
@@ -57,7 +57,7 @@ class DeepseekDecoderLayer(PreNormLayer):
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor, decode: bool
-    ) -> tuple[torch.Tensor | SplitK, torch.Tensor]:
+    ) -> tuple[RowOutput, torch.Tensor]:
         """A dense layer's MLP output may be down's split-K partials (Kernels.row_linear)."""
         return self.mlp_residual(self.self_attn.output(attn_out, decode), residual)
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.model import splitk
+from service.model import splitk, splitk_op
 from service.model.attention import KVTarget
 from service.model.rotary import cos_sin_at
 from service.model.splitk_policy import slices as splitk_slices
@@ -39,6 +39,20 @@ class SplitK(NamedTuple):
     adding the residual), so the reduction costs no kernel of its own."""
 
     parts: torch.Tensor
+
+
+class Unprojected(NamedTuple):
+    """A row-parallel projection not run yet, under ``torch.compile``: x (T, K) times
+    weight (N, K)^T. Only :meth:`Kernels.add_rms_norm` consumes it: one opaque op runs the
+    projection, split over K where service.model.splitk_policy says so at the call's rows,
+    and the add-RMSNorm (service.model.splitk_op)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+
+
+# what a row-parallel projection feeding an add-RMSNorm gives it (Kernels.row_linear)
+RowOutput = torch.Tensor | SplitK | Unprojected
 
 
 class Kernels:
@@ -88,18 +102,17 @@ class Kernels:
 
         self._splitk_norm = splitk_triton.add_rms_norm
 
-    def row_linear(self, x: torch.Tensor, proj: nn.Module) -> torch.Tensor | SplitK:
+    def row_linear(self, x: torch.Tensor, proj: nn.Module) -> RowOutput:
         """``proj(x)`` for a row-parallel projection (service.model.parallel.RowParallelLinear)
         whose output goes straight into :meth:`add_rms_norm`: x (T, K) -> (T, N), or, where the
         split-K kernel was chosen and service.model.splitk_policy splits at T rows, its float32
         partials over K-slices. One rank only (tp 1): with more, the output is all-reduced in
-        the input dtype first. Never under ``torch.compile``: inductor fuses the norm itself."""
-        if (
-            self._splitk_norm is not None
-            and proj.tp.world_size == 1
-            and not torch.compiler.is_compiling()
-        ):
+        the input dtype first. Under ``torch.compile``, where the token count is symbolic, the
+        projection is left to the norm's op (:class:`Unprojected`), which decides at run time."""
+        if self._splitk_norm is not None and proj.tp.world_size == 1:
             weight = proj.weight
+            if torch.compiler.is_compiling():
+                return Unprojected(x, weight)
             s = splitk_slices(x.shape[0], x.shape[-1], weight.shape[0])
             if s > 1 and splitk.fits(x, weight, s):
                 return SplitK(splitk.partials(x, weight, s))
@@ -124,10 +137,17 @@ class Kernels:
         return weight * xf.to(x.dtype)
 
     def add_rms_norm(
-        self, x: torch.Tensor | SplitK, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: RowOutput, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(residual + x), residual + x): the residual stream moves on by x. x may be
-        :meth:`row_linear`'s partials: then one kernel sums them, adds and norms."""
+        :meth:`row_linear`'s partials: then one kernel sums them, adds and norms; or its
+        projection still to run: then one op runs it, split or not, and the rest."""
+        if isinstance(x, Unprojected):
+            # a fresh tensor for the new residual, which the op fills (a tc_piecewise piece
+            # passes its hand-over buffer there instead where the piece returns it)
+            new = torch.empty_like(residual)
+            normed = splitk_op.row_linear_add_rms_norm(x.x, x.weight, residual, weight, eps, new)
+            return normed, new
         if isinstance(x, SplitK):
             if self._splitk_norm is not None and residual.stride(-1) == 1:
                 return self._splitk_norm(x.parts, residual, weight, eps)

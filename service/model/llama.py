@@ -32,7 +32,7 @@ from service.model.attention import (
     BoundAttention,
     KVTarget,
 )
-from service.model.kernels import Kernels, SplitK
+from service.model.kernels import Kernels, RowOutput, SplitK, Unprojected
 from service.model.mlp_chunks import chunk_rows
 from service.model.parallel import (
     ColumnParallelLinear,
@@ -54,9 +54,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H) -> (T, H)
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
-    def add(
-        self, x: torch.Tensor | SplitK, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, x: RowOutput, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x), one kernel where the kernels fuse it (x may be a
         projection's unsummed split-K partials, Kernels.row_linear)."""
         return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
@@ -140,7 +138,7 @@ class MLP(nn.Module):
         """The output before the all-reduce (a MoE layer adds the routed experts first)."""
         return self.down_proj.partial(self.kernels.gate_up_silu(x, self.gate_up_proj))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitK:  # (T, H) -> (T, H)
+    def forward(self, x: torch.Tensor) -> RowOutput:  # (T, H) -> (T, H)
         """The output feeds the next add-RMSNorm only: at the token counts where the split-K
         kernel was chosen it is down's unsummed partials (Kernels.row_linear)."""
         # Compiled (tc_piecewise) pieces run it whole: inductor fuses the activation into one
@@ -177,19 +175,17 @@ class PreNormLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def norm_input(
-        self, x: torch.Tensor | SplitK, residual: torch.Tensor | None
+        self, x: RowOutput, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous layer's output x (T, H) (the embeddings for layer 0, whose residual is
         None) -> the attention's normed input (T, H), the residual stream with x added."""
         if residual is None:  # layer 0: x is the embeddings
-            if isinstance(x, SplitK):
-                raise TypeError("layer 0's input is the embeddings, not a projection's partials")
+            if isinstance(x, (SplitK, Unprojected)):
+                raise TypeError("layer 0's input is the embeddings, not a projection's output")
             return self.input_layernorm(x), x
         return self.input_layernorm.add(x, residual)
 
-    def mlp_residual(
-        self, x: torch.Tensor | SplitK, residual: torch.Tensor
-    ) -> tuple[torch.Tensor | SplitK, torch.Tensor]:
+    def mlp_residual(self, x: RowOutput, residual: torch.Tensor) -> tuple[RowOutput, torch.Tensor]:
         """The attention's projected output x (T, H) -> MLP output (T, H), residual with x
         added."""
         h, residual = self.post_attention_layernorm.add(x, residual)
@@ -212,7 +208,7 @@ class DecoderLayer(PreNormLayer):
 
     def pre_attention(
         self,
-        x: torch.Tensor | SplitK,
+        x: RowOutput,
         residual: torch.Tensor | None,
         rope: object,
         qkv_out: torch.Tensor | None = None,
@@ -227,7 +223,7 @@ class DecoderLayer(PreNormLayer):
 
     def post_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor | SplitK, torch.Tensor]:
+    ) -> tuple[RowOutput, torch.Tensor]:
         """Attention output (T, Hq*D) and residual (T, H) -> MLP output (T, H), residual with
         the attention output added."""
         o = self.self_attn.kernels.row_linear(attn_out, self.self_attn.o_proj)
@@ -333,7 +329,7 @@ class CausalLM(nn.Module):
     def _start_layer(
         self,
         i: int,
-        x: torch.Tensor | SplitK,
+        x: RowOutput,
         residual: torch.Tensor | None,
         rope: object,
         attention: BoundAttention,

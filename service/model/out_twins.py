@@ -14,6 +14,11 @@ The contract: ``twin(*op_args, out)`` writes exactly ``op(*op_args)`` into ``out
 dtype and bits, the same side effects) and returns None. The module that defines an op
 registers its twin here; the piece code looks the twin up by the FX node's target. No torch
 import: targets are whatever objects the traced graph names (OpOverload, OpOverloadPacket).
+
+An op that already writes an output into a tensor its caller made (a declared mutation of an
+argument the op overwrites whole, every element, whatever it held) needs no twin: the piece
+passes the hand-over buffer as that argument instead of the fresh tensor. Such ops register
+the argument's position with :func:`register_filled`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 _TWINS: dict[Any, Any] = {}
+_FILLED: dict[Any, int] = {}
 
 
 def register(packet: Any, twin: Any) -> None:
@@ -35,4 +41,19 @@ def twin_of(target: Any) -> Any | None:
     try:
         return _TWINS.get(target)
     except TypeError:  # an unhashable target (a bound method of an unhashable object)
+        return None
+
+
+def register_filled(packet: Any, position: int) -> None:
+    """The ops of ``packet`` overwrite their argument at ``position`` whole (declared mutated),
+    reading nothing it held before."""
+    _FILLED[packet] = position
+    _FILLED[packet.default] = position
+
+
+def filled_argument(target: Any) -> int | None:
+    """The position of the argument an FX node's target overwrites whole, or None."""
+    try:
+        return _FILLED.get(target)
+    except TypeError:
         return None

@@ -4,8 +4,8 @@ service.model.splitk_triton).
 
 ``partials(x, weight, s)``: x (T, K) times weight (N, K)^T as ``s`` products over K-slices, one
 batched GEMM, -> (s, T, N) float32, without copying x or weight (slices are strided views).
-``add_rms_norm(parts, residual, weight, eps)``: the reference of the summing kernel in plain
-torch (the arithmetic the kernel does, in the order it does it).
+``add_rms_norm(parts, residual, weight, eps, new_residual=None)``: the reference of the summing
+kernel in plain torch (the arithmetic the kernel does, in the order it does it).
 """
 
 from __future__ import annotations
@@ -39,14 +39,20 @@ def partials(x: torch.Tensor, weight: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def add_rms_norm(
-    parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    parts: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    new_residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """parts (S, T, N) float32, residual (T, N) -> (rms_norm(residual + sum), residual + sum),
-    the residual updated in place: the sum rounded to the residual's dtype (as the projection's
-    own output would have been), added in float32, the norm taken of the unrounded float32 sum
-    and scaled by ``weight`` in float32."""
-    proj = parts.sum(0).to(residual.dtype).float()
+    """parts (S, T, N) float32 (or (1, T, N) in the residual's dtype: a projection not split),
+    residual (T, N) -> (rms_norm(residual + sum), residual + sum), the sum written into
+    ``new_residual`` where given, else into the residual in place: the sum rounded to the
+    residual's dtype (as the projection's own output would have been), added in float32, the
+    norm taken of the unrounded float32 sum and scaled by ``weight`` in float32."""
+    proj = parts.float().sum(0).to(residual.dtype).float()
     x = proj + residual.float()
-    residual.copy_(x)
+    new = residual if new_residual is None else new_residual
+    new.copy_(x)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return normed.to(residual.dtype), residual
+    return normed.to(residual.dtype), new

@@ -5,7 +5,10 @@ generates the kernel that computes the output, the write is that kernel's store.
 opaque custom op computes it (the rotary + K/V store kernel's op, whose output is the q/K/V
 block attention reads), the write would be one more copy kernel of the whole block per layer.
 So a copy of the piece's graph calls the op's twin (service.model.out_twins) on the buffer
-itself, given to the piece as an extra input, and the op's output is that buffer.
+itself, given to the piece as an extra input, and the op's output is that buffer. An output
+that is a fresh ``torch.empty_like`` tensor which an op overwrites whole (the split-K
+projection + add-RMSNorm op's new residual, service.model.splitk_op) becomes the buffer itself:
+the op then writes the buffer.
 
 Before that, a concatenation of a split's slices, all in order along the split's dimension,
 becomes the split tensor itself. ``OpAttention`` joins q, K and V that way (the slices of one
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from service.model.out_twins import twin_of
+from service.model.out_twins import filled_argument, twin_of
 
 _SPLITS = ("split", "split_with_sizes")
 
@@ -87,9 +90,21 @@ def collapse_split_cat(graph: fx.Graph) -> int:
     return replaced
 
 
+def _filled(node: fx.Node) -> bool:
+    """Whether ``node`` is a fresh ``torch.empty_like`` tensor that an op overwrites whole."""
+    if node.op != "call_function" or node.target is not torch.empty_like:
+        return False
+    for user in node.users:
+        position = filled_argument(user.target) if user.op == "call_function" else None
+        if position is not None and len(user.args) > position and user.args[position] is node:
+            return True
+    return False
+
+
 def redirect_outputs(sub: fx.GraphModule) -> Redirected | None:
     """A copy of ``sub`` whose outputs made by ops with twins are written by the twins into
-    buffers taken as extra inputs, or None where no output is made so. ``sub`` is left as is."""
+    buffers taken as extra inputs, and whose outputs allocated empty and filled by an op are
+    those buffers; or None where no output is made so. ``sub`` is left as is."""
     graph = copy.deepcopy(sub.graph)
     collapse_split_cat(graph)
     output = graph.output_node()
@@ -102,14 +117,15 @@ def redirect_outputs(sub: fx.GraphModule) -> Redirected | None:
         if not isinstance(node, fx.Node) or node.op != "call_function" or node in flat[:i]:
             continue
         twin = twin_of(node.target)
-        if twin is None:
+        if twin is None and not _filled(node):
             continue
         # placeholders lead the graph: after the last one (pieces always have inputs)
         with graph.inserting_after(placeholders[-1]):
             buffer = graph.placeholder(f"handover_{i}")
         placeholders.append(buffer)
-        with graph.inserting_before(node):
-            graph.call_function(twin, (*node.args, buffer), dict(node.kwargs))
+        if twin is not None:
+            with graph.inserting_before(node):
+                graph.call_function(twin, (*node.args, buffer), dict(node.kwargs))
         node.replace_all_uses_with(buffer)
         graph.erase_node(node)
         redirected.append(i)
