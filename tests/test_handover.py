@@ -9,7 +9,10 @@ import operator
 import torch
 from torch import fx
 
-from service.model import out_twins
+from service.model import (
+    out_twins,
+    splitk_op,  # noqa: F401  (registers capture_service::row_linear_add_rms_norm)
+)
 from service.ranks.runners.tc_piecewise.handover import (
     collapse_split_cat,
     redirect_outputs,
@@ -187,8 +190,6 @@ def test_the_new_residual_the_norm_op_fills_is_the_hand_over_buffer_itself():
     """The op is given the buffer as the tensor it fills: no ``empty_like`` left, the buffer
     holds the new residual, the norm is the op's own; and the piece's input residual (the
     previous piece's hand-over buffer) is left as it was."""
-    import service.model.splitk_op  # noqa: F401  (registers the op)
-
     sub = _norm_piece()
     red = redirect_outputs(sub)
     assert red is not None and red.outputs == (1,)
@@ -216,7 +217,6 @@ def test_inductor_runs_the_norm_op_on_the_buffer_and_copies_nothing():
     """Compiled as tc_piecewise compiles a piece: the generated code passes the buffer to the
     op and has no copy of the new residual (a piece that returned the op's fresh tensor would
     copy it into the buffer)."""
-    import service.model.splitk_op  # noqa: F401
     from torch._inductor.utils import run_and_get_code
 
     sub = _norm_piece()
