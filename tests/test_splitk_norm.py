@@ -286,7 +286,7 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
     assert (on_replay - on_eager).abs().max().item() < 2e-2 * scale
 
 
-@pytest.mark.parametrize("backend", ["eager", "breakable"])
+@pytest.mark.parametrize("backend", ["eager", "breakable", "tc_piecewise"])
 def test_deepseeks_dense_layer_routes_down_through_the_summing_norm(backend, tmp_path, monkeypatch):
     """DeepSeek V2 (tiny, float32, CPU): its dense layer's down goes through the sum and the
     next layer's add-norm takes the partials (MLA's o_proj and the MoE layers stay as they
@@ -321,8 +321,9 @@ def test_deepseeks_dense_layer_routes_down_through_the_summing_norm(backend, tmp
     for p, r in zip(p_logits, r_logits, strict=True):
         assert (p - r).abs().max().item() < 1e-4 * p.abs().max().item()
     # the dense layer's down (K 96 -> 2 slices of 48, N 64): eager prefill runs the batch's 44
-    # rows through the route, breakable's capture its buckets' 16 and 64; the decode steps' 2
-    # rows are below the policy's measured sizes and stay plain
+    # rows through the route, a graph backend's capture its buckets' 16 and 64 (tc_piecewise's
+    # through the op its compiled pieces call); the decode steps' 2 rows are below the policy's
+    # measured sizes and stay plain
     if backend == "eager":
         assert (2, 44, 64) in r_calls
     else:
