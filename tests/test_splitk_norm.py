@@ -250,6 +250,32 @@ def test_the_kernel_matches_the_reference_and_cublas_then_the_norm(tokens, n, k,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [16, 256, 512, 1024])
+def test_the_compiled_pieces_op_matches_cublas_then_the_norm(tokens):
+    """service.model.splitk_op's op on CUDA, at token counts the policy splits (16, 256: 4
+    slices of down's K; 512: 2) and does not (1,024: cuBLAS's projection, then the same
+    kernel): the new residual and the norm within the stated tolerance of cuBLAS then the torch
+    add-norm, written into the tensor given for the residual, the input residual untouched."""
+    _needs_triton()
+    from service.model import splitk_op
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    x = torch.randn(tokens, QWEN_I, generator=g, device=dev).to(torch.bfloat16)
+    w = (torch.randn(QWEN_H, QWEN_I, generator=g, device=dev) / QWEN_I**0.5).to(torch.bfloat16)
+    res = torch.randn(tokens, QWEN_H, generator=g, device=dev).to(torch.bfloat16)
+    gamma = (torch.rand(QWEN_H, generator=g, device=dev) + 0.5).to(torch.bfloat16)
+    before = res.clone()
+    new = torch.full_like(res, float("nan"))
+    got_h = splitk_op.row_linear_add_rms_norm(x, w, res, gamma, 1e-6, new)
+    assert torch.equal(res, before)
+    want_h, want_r = Kernels().add_rms_norm(F.linear(x, w), before.clone(), gamma, 1e-6)
+    assert (new.float() - want_r.float()).abs().max().item() < TOL * want_r.float().abs().max()
+    scale = want_h.float().abs().max().item()
+    assert (got_h.float() - want_h.float()).abs().max().item() < TOL * scale
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["breakable", "tc_piecewise", "full"])
 def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeypatch):
     """The built-in model in bf16, eager and replayed, with the split-K kernel against the same
