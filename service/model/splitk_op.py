@@ -9,7 +9,8 @@ retrace per slice count. Without it inductor runs cuBLAS's GEMM, which at a few 
 splits K itself and runs its own reduce kernel (down at 256 tokens on the H200: 15.07 + 3.54 us
 against the split's 13.39; o_proj 6.25 against 5.62; docs/benchmarks.md, session 45). Inside
 this op the token count is a plain int again, so the policy decides per call, and per bucket in
-a captured graph, with one trace.
+a captured graph, with one trace. Measured on the H200 (session 46): at 256 tokens a forward
+runs 28 kernels fewer and 0.14 ms less device time, 2.78-2.97x the floor against 3.03-3.18.
 
 ``row_linear_add_rms_norm(x, weight, residual, norm_weight, eps, new_residual) -> normed``:
 x (T, K), weight (N, K), residual (T, N); writes residual + x W^T into ``new_residual``
