@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 from torch import fx
 
@@ -164,7 +165,7 @@ def test_inductor_calls_the_twin_on_the_buffer_and_copies_nothing():
     assert torch.equal(big[:7], sub(x_, w_)[0]) and big[7:].isnan().all()
 
 
-def _norm_piece(filler=None) -> fx.GraphModule:
+def _norm_piece(filler=None, by_keyword: bool = False) -> fx.GraphModule:
     """A piece's end with the split-K projection + add-RMSNorm op (service.model.splitk_op):
     the new residual is a fresh ``empty_like`` tensor the op fills, returned beside the norm."""
     g = fx.Graph()
@@ -172,7 +173,10 @@ def _norm_piece(filler=None) -> fx.GraphModule:
     new = g.call_function(torch.empty_like, (residual,))
     if filler is None:
         op = torch.ops.capture_service.row_linear_add_rms_norm.default
-        normed = g.call_function(op, (x, w, residual, gamma, 1e-6, new))
+        if by_keyword:
+            normed = g.call_function(op, (x, w, residual, gamma, 1e-6), {"new_residual": new})
+        else:
+            normed = g.call_function(op, (x, w, residual, gamma, 1e-6, new))
     else:  # something else writing into the fresh tensor
         normed = g.call_function(filler, (residual, gamma), {"out": new})
     g.output((normed, new))
@@ -186,11 +190,12 @@ def _norm_inputs(rows: int):
     return x, w, torch.randn(rows, 256, generator=g), torch.rand(256, generator=g) + 0.5
 
 
-def test_the_new_residual_the_norm_op_fills_is_the_hand_over_buffer_itself():
-    """The op is given the buffer as the tensor it fills: no ``empty_like`` left, the buffer
-    holds the new residual, the norm is the op's own; and the piece's input residual (the
-    previous piece's hand-over buffer) is left as it was."""
-    sub = _norm_piece()
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_the_new_residual_the_norm_op_fills_is_the_hand_over_buffer_itself(by_keyword):
+    """The op is given the buffer as the tensor it fills (passed by position or by name): no
+    ``empty_like`` left, the buffer holds the new residual, the norm is the op's own; and the
+    piece's input residual (the previous piece's hand-over buffer) is left as it was."""
+    sub = _norm_piece(by_keyword=by_keyword)
     red = redirect_outputs(sub)
     assert red is not None and red.outputs == (1,)
     assert torch.empty_like not in _targets(red.module)

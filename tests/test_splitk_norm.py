@@ -171,6 +171,29 @@ def test_the_model_routes_o_proj_and_down_through_the_summing_norm(backend, monk
         for bucket in (64, 256):
             n = at_capture.count((2, bucket, 256))
             assert n and n % (2 * layers) == 0, at_capture
+    if backend == "tc_piecewise":
+        _assert_pieces_fill_their_hand_over_buffers(routed.executor.worker.runner, layers)
+
+
+def _assert_pieces_fill_their_hand_over_buffers(runner, layers: int) -> None:
+    """Every piece between two layers hands its new residual over as the buffer the op filled:
+    no fresh tensor left among its outputs to copy (a call of the op that the hand-over did not
+    recognise would leave one)."""
+    from service.ranks.runners.tc_piecewise.handover import redirect_outputs
+
+    def fresh(graph) -> list:
+        out = graph.output_node().args[0]
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        return [o for o in outs if getattr(o, "target", None) is torch.empty_like]
+
+    handing = 0
+    for piece in runner.pieces:
+        if not fresh(piece.sub.graph):  # the last piece returns the final norm alone
+            continue
+        red = redirect_outputs(piece.sub)
+        assert red is not None and not fresh(red.module.graph), piece.sub.code
+        handing += 1
+    assert handing == layers - 1, handing
 
 
 def test_decode_steps_split_from_16_requests_and_not_below(monkeypatch):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 _TWINS: dict[Any, Any] = {}
-_FILLED: dict[Any, int] = {}
+_FILLED: dict[Any, tuple[int, str]] = {}
 
 
 def register(packet: Any, twin: Any) -> None:
@@ -44,15 +44,15 @@ def twin_of(target: Any) -> Any | None:
         return None
 
 
-def register_filled(packet: Any, position: int) -> None:
-    """The ops of ``packet`` overwrite their argument at ``position`` whole (declared mutated),
-    reading nothing it held before."""
-    _FILLED[packet] = position
-    _FILLED[packet.default] = position
+def register_filled(packet: Any, position: int, name: str) -> None:
+    """The ops of ``packet`` overwrite their argument ``name``, at ``position``, whole (declared
+    mutated), reading nothing it held before."""
+    _FILLED[packet] = (position, name)
+    _FILLED[packet.default] = (position, name)
 
 
-def filled_argument(target: Any) -> int | None:
-    """The position of the argument an FX node's target overwrites whole, or None."""
+def filled_argument(target: Any) -> tuple[int, str] | None:
+    """The position and name of the argument an FX node's target overwrites whole, or None."""
     try:
         return _FILLED.get(target)
     except TypeError:

@@ -71,4 +71,4 @@ def _(x, weight, residual, norm_weight, eps, new_residual):
 
 
 # new_residual (argument 5) is written whole: a piece may pass its hand-over buffer there
-out_twins.register_filled(torch.ops.capture_service.row_linear_add_rms_norm, 5)
+out_twins.register_filled(torch.ops.capture_service.row_linear_add_rms_norm, 5, "new_residual")

@@ -95,8 +95,12 @@ def _filled(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target is not torch.empty_like:
         return False
     for user in node.users:
-        position = filled_argument(user.target) if user.op == "call_function" else None
-        if position is not None and len(user.args) > position and user.args[position] is node:
+        filled = filled_argument(user.target) if user.op == "call_function" else None
+        if filled is None:
+            continue
+        position, name = filled
+        given = user.args[position] if len(user.args) > position else user.kwargs.get(name)
+        if given is node:
             return True
     return False
 
