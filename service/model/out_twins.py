@@ -18,7 +18,7 @@ import: targets are whatever objects the traced graph names (OpOverload, OpOverl
 An op that already writes an output into a tensor its caller made (a declared mutation of an
 argument the op overwrites whole, every element, whatever it held) needs no twin: the piece
 passes the hand-over buffer as that argument instead of the fresh tensor. Such ops register
-the argument's position with :func:`register_filled`.
+the argument's position and name with :func:`register_filled`.
 """
 
 from __future__ import annotations
