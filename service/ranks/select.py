@@ -245,8 +245,10 @@ def choose_prefill_schedule(
     faster at 2,048 tokens and up to 2% from 4,096, and at most 1.6% slower below (256 tokens).
     The segment backends and eager queue the kernel after each plan; measured so, they were
     1-3% faster at 2,048 tokens but 1-17% slower at 16-1,024, where the launch was pure cost.
-    The launch is now skipped where the plan has at most one item per CTA; until that is
-    measured they keep the kernel's own schedule.
+    The launch is now skipped where the plan has at most one item per CTA: in session 46 the
+    same kernels and device time as the own schedule there, but `breakable` still 1-4% slower
+    at 16-1,024 tokens in both of two alternating rounds (2-3% faster at 2,048). Until a longer
+    A/B settles that, they keep the kernel's own schedule.
 
     ``device_rewrite_error``: the start-up probe of the device rewrite (service.ranks.attention.
     sm90_schedule.device_rewrite_error), run only where ``auto`` would deal again: where it
@@ -284,8 +286,8 @@ def choose_prefill_schedule(
         return BackendChoice(
             "own",
             f"auto: FlashInfer's schedule for prefill backend {prefill_backend}: dealt again "
-            "after each plan, it was faster from 2,048 tokens but slower below on the H200 "
-            f"(ask for it with {flag} balanced)",
+            "after each plan, it was faster from 2,048 tokens but 1-4% slower below on the "
+            f"H200 (ask for it with {flag} balanced)",
         )
     return BackendChoice("own", f"auto: {blocker}")
 
