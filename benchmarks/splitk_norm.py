@@ -15,7 +15,12 @@ Variants, microseconds per call inside one CUDA graph of 20 calls (``gemm_shapes
 - ``bmm{S}``: ``torch.bmm`` over S K-slices with fp32 output, alone (service.model.splitk);
 - ``new{S}``: that, then one Triton kernel (service.model.splitk_triton, as the model runs it):
   the S partials summed (rounded to bf16, as the GEMM's output was), the residual added and
-  stored, the RMSNorm written.
+  stored, the RMSNorm written;
+- ``op``: what ``tc_piecewise``'s compiled pieces run since session 46, the op
+  (service.model.splitk_op) that splits as the policy says at these rows, or runs ``F.linear``
+  and the same Triton kernel with one partial where it does not split;
+- ``ind``: what they ran before it, ``F.linear`` then the torch add-RMSNorm compiled by
+  inductor (dynamic shapes, as the pieces are compiled): cuBLAS, then inductor's fused norm.
 
     python benchmarks/splitk_norm.py --m 16,64,256,1024 --out splitk.json
 """
@@ -32,13 +37,22 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gemm_shapes import graph_us, save_rows
-from service.model import splitk
+from service.model import splitk, splitk_op
+from service.model.kernels import Kernels
 
 H, I_ = 1536, 8960
 SHAPES = {"o_proj": (H, H), "down": (H, I_)}  # name: (N, K)
 
 
-def measure(name: str, n: int, k: int, m: int, splits: list[int], norm, fi) -> dict:
+def _compiled_add_norm(
+    x: torch.Tensor, w: torch.Tensor, res: torch.Tensor, g: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projection, then the reference add-RMSNorm: under torch.compile, what a piece ran
+    before the op (cuBLAS's GEMM, inductor's fused add and norm)."""
+    return Kernels()._add_rms_norm(F.linear(x, w), res, g, eps)
+
+
+def measure(name: str, n: int, k: int, m: int, splits: list[int], norm, fi, compiled) -> dict:
     """One shape at ``m`` rows: the reference and each split's variants (us), and how far each
     split's results are from the reference's (relative to their largest value)."""
     dt, dev, eps = torch.bfloat16, "cuda", 1e-6
@@ -74,6 +88,15 @@ def measure(name: str, n: int, k: int, m: int, splits: list[int], norm, fi) -> d
         d_out = float((out - want).abs().max()) / float(want.abs().max())
         d_res = float((got_res - want_res).abs().max()) / float(want_res.abs().max())
         row[f"maxdiff{s}"] = max(d_out, d_res)
+    new_res = torch.empty_like(res)
+    row["op"] = graph_us(lambda: splitk_op.row_linear_add_rms_norm(x, w, res, g, eps, new_res))
+    row["ind"] = graph_us(lambda: compiled(x, w, res, g, eps))
+    out = splitk_op.row_linear_add_rms_norm(x, w, res0, g, eps, new_res)
+    torch.cuda.synchronize()
+    row["maxdiff_op"] = max(
+        float((out - want).abs().max()) / float(want.abs().max()),
+        float((new_res - want_res).abs().max()) / float(want_res.abs().max()),
+    )
     return row
 
 
@@ -91,17 +114,19 @@ def main() -> int:
     splits = [int(v) for v in args.splits.split(",")]
     results: list[dict] = []
     head = "".join(f" {'bmm' + str(s):>7} {'new' + str(s):>7}" for s in splits)
-    print(f"{'shape':>7} {'M':>5} {'ref':>7} {'gemm':>7}{head}  maxdiff")
+    print(f"{'shape':>7} {'M':>5} {'ref':>7} {'gemm':>7}{head} {'op':>7} {'ind':>7}  maxdiff")
     for name, (n, k) in SHAPES.items():
+        compiled = torch.compile(_compiled_add_norm, dynamic=True)  # one compile per shape
         for m in [int(x) for x in args.m.split(",")]:
-            row = measure(name, n, k, m, splits, norm, flashinfer)
+            row = measure(name, n, k, m, splits, norm, flashinfer, compiled)
             results.append(row)
             nan = float("nan")
             cells = "".join(f" {row.get(f'bmm{s}', nan):>7.2f} {row.get(f'new{s}', nan):>7.2f}"
                             for s in splits)  # fmt: skip
-            diff = max((row[f"maxdiff{s}"] for s in splits if f"maxdiff{s}" in row), default=nan)
-            print(f"{name:>7} {m:>5} {row['ref']:>7.2f} {row['ref_gemm']:>7.2f}{cells}  {diff:.1e}",
-                  flush=True)  # fmt: skip
+            diffs = [row[f"maxdiff{s}"] for s in splits if f"maxdiff{s}" in row]
+            diff = max([*diffs, row["maxdiff_op"]])
+            print(f"{name:>7} {m:>5} {row['ref']:>7.2f} {row['ref_gemm']:>7.2f}{cells} "
+                  f"{row['op']:>7.2f} {row['ind']:>7.2f}  {diff:.1e}", flush=True)  # fmt: skip
     save_rows(args.out, results)
     return 0
 
