@@ -297,9 +297,9 @@ def test_a_captured_rewrite_refuses_a_plan_whose_layout_moved():
 
 def test_the_device_rewrite_is_not_launched_for_a_plan_of_one_item_per_cta(monkeypatch):
     """A segment backend's small buckets: one request of up to 1,024 tokens gives FA3 at most
-    one item per CTA, which no schedule shortens, so no kernel is queued (its launch cost the
-    segment backends 3-6% at 16-1,024 tokens on the H200, session 45). Inside a capture the
-    kernel is always taken: the graph's replays deal later plans."""
+    one item per CTA, which no schedule shortens, so no kernel is queued (with its launch the
+    segment backends were 1-17% slower at 16-1,024 tokens on the H200, session 45). Inside a
+    capture the kernel is always taken: the graph's replays deal later plans."""
     from service.ranks.attention.sm90_schedule import SM90Rebalance
 
     balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)

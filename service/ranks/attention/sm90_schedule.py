@@ -317,10 +317,8 @@ class LaidOutPlan:
         at, offsets = 64, {}  # FlashInfer's allocator: in FIELDS order, 16-byte aligned
         for f in FIELDS:
             offsets[f] = at
-            at = (
-                -(-(at + 4 * (work_indptr.shape[0] if f == "work_indptr" else n + spare)) // 16)
-                * 16
-            )
+            size = 4 * (work_indptr.shape[0] if f == "work_indptr" else n + spare)
+            at = -(-(at + size) // 16) * 16
         ints = np.full(at // 4 + 32, -7, dtype=np.int32)
         for k, f in enumerate(ITEM_FIELDS):
             ints[offsets[f] // 4 : offsets[f] // 4 + n] = items[:, k]
