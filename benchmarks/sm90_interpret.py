@@ -1,7 +1,8 @@
-"""The SM90 schedule's device rewrite (service.ranks.attention.sm90_triton) under Triton's
-interpreter, on a CPU, against the host rewrite: the same bytes for random batches and for the
-start-up probe's plan. A check for a machine without a GPU (it needs triton installed, which the
-CPU install does not carry), not a timing:
+"""The SM90 schedule's device kernels (service.ranks.attention.sm90_triton) under Triton's
+interpreter, on a CPU: the rewrite against the host rewrite (the same bytes for random batches
+and for the start-up probe's plan), and the planner against sm90_balance.planned (the same
+arrays for random request slots). A check for a machine without a GPU (it needs triton
+installed, which the CPU install does not carry), not a timing:
 
     pip install --target /tmp/trisite --no-deps triton==3.5.0
     PYTHONPATH=/tmp/trisite:. python benchmarks/sm90_interpret.py --batches 60
@@ -52,6 +53,14 @@ def same_bytes(
     return dealt, torch.equal(host._int_workspace_buffer, dev._int_workspace_buffer)
 
 
+def same_plan(lengths: list[int], heads: int, ctas: int, slack: int) -> bool:
+    """Whether the planner wrote sm90_balance.planned's arrays into a region laid out as
+    FlashInfer's (``slack`` spare items per array), and nothing else."""
+    from service.ranks.attention.sm90_schedule import planner_bytes
+
+    return torch.equal(*planner_bytes(lengths, heads, ctas, torch.device("cpu"), slack))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=60, help="random batches")
@@ -80,7 +89,23 @@ def main() -> int:
         dealt, same = same_bytes(*probe_items(ctas), ctas, 3)
         print(f"probe plan, {ctas} CTAs: host rewrite dealt it {dealt}, same bytes {same}")
         counts["differ"] += not (dealt and same)
-    return 1 if counts["differ"] else 0
+    planned = {"same": 0, "differ": 0}
+    for _ in range(args.batches):
+        slots = int(rng.integers(1, 9))
+        lens = [int(x) * int(rng.random() < 0.8) for x in rng.integers(1, 3000, size=slots)]
+        if rng.random() < 0.3:  # lengths on tile edges: equal costs across requests
+            lens = [128 * int(rng.integers(0, 9)) for _ in range(slots)]
+        ctas, heads = int(rng.choice([3, 8, 16, 33, 132])), int(rng.integers(1, 13))
+        ok = same_plan(lens, heads, ctas, int(rng.integers(0, 9)))
+        planned["same" if ok else "differ"] += 1
+        if not ok:
+            print(f"planner differs: lengths {lens}, {heads} heads, {ctas} CTAs", flush=True)
+    for lens in ([2048], [0, 0, 0], [1000, 0, 700, 348], [128, 256, 128, 384]):
+        ok = same_plan(lens, 12, 132, 3)
+        planned["same" if ok else "differ"] += 1
+        print(f"planner, lengths {lens}: same arrays {ok}")
+    print(f"planner: {planned}")
+    return 1 if counts["differ"] or planned["differ"] else 0
 
 
 if __name__ == "__main__":

@@ -141,3 +141,30 @@ def test_a_replan_waits_for_the_previous_schedule_upload_too():
         assert r.fast
     # each mark came after that plan's module call(s): 2 for the first, then one each
     assert event.after_module_calls == [2, 3, 4]
+
+
+def test_a_plan_made_on_the_device_skips_the_module_call_after_the_indptr_copy():
+    """With a device planner (sm90_schedule's, FA3's schedule written from the indptrs the
+    graph reads): a later plan it takes makes no module call, yet the graph's buffers hold the
+    new indptrs, the planner saw this batch's lengths, and the plan info stays the first plan's;
+    a plan it declines goes through the module call as before. The first plan always goes
+    through FlashInfer (it lays out the workspace the planner writes into)."""
+    indptrs = torch.zeros(2, S + 1, dtype=torch.int32)
+    w = Wrapper(indptrs)
+    asked: list[list[int]] = []
+
+    def device_plan(lengths: np.ndarray) -> bool:
+        # the buffers it reads are already this batch's when it is asked
+        assert indptrs.tolist() == [offsets(lengths.tolist())] * 2
+        asked.append(lengths.tolist())
+        return int(lengths.sum()) > 32  # stands in for "more items than CTAs"
+
+    r = RaggedReplan(w, indptrs, lambda qo: w.plan(qo, qo), device_plan=device_plan)
+    r(np.array([40, 24, 0, 0]))
+    assert asked == [] and len(w.scheduled) == 2  # the first plan: FlashInfer's, recorded
+    r(np.array([30, 20, 10, 0]))
+    assert r.fast and asked == [[30, 20, 10, 0]] and len(w.scheduled) == 2
+    assert indptrs.tolist() == [offsets([30, 20, 10, 0])] * 2 and w._plan_info == w.info
+    r(np.array([8, 8, 0, 0]))  # declined: FlashInfer's module schedules it
+    assert r.fast and len(w.scheduled) == 3
+    assert w.scheduled[-1] == (offsets([8, 8, 0, 0]), [8, 8, 0, 0])

@@ -285,7 +285,7 @@ def test_a_captured_rewrite_refuses_a_plan_whose_layout_moved():
     before = w._int_workspace_buffer.clone()
     assert balance(w, 128, defer=True)
     assert torch.equal(w._int_workspace_buffer, before)
-    balance._captured[id(w)] = balance._layout(w, True)  # as the capture records it
+    balance._captured[id(w)] = ("deal", balance._layout(w, True))  # as the capture records it
     assert balance(w, 128, same_info=True, defer=True)  # the same layout: fine
     moved = fake_wrapper(*flashinfer_items([2048, 512], 12, H100_SMS))
     w._plan_info = moved._plan_info  # a plan with other offsets into the same buffers

@@ -95,6 +95,62 @@ def test_the_start_up_probe_trusts_the_device_rewrite_here():
     assert SM90Rebalance(dev).on_device
 
 
+def test_the_start_up_probe_trusts_the_device_planner_here():
+    """On sm90 with triton the planner writes the reference's schedule for the probe's slots,
+    so a rank that asks for the balanced schedule plans it on the device."""
+    from service.ranks.attention.sm90_schedule import SM90Rebalance, device_plan_error
+
+    if _triton_missing():
+        pytest.skip(f"the planner needs triton: {_triton_missing()}")
+    dev = torch.device("cuda")
+    num_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert device_plan_error(dev, num_ctas) is None
+    assert SM90Rebalance(dev).plans_on_device
+
+
+@pytest.mark.parametrize("lens", [[2048], [1000, 700, 348], [3000, 0, 1000, 50, 48], [4096]])
+def test_the_planner_replaces_flashinfers_plan_with_the_same_output(lens):
+    """A wrapper planned by FlashInfer for one request of 4,096 rows (its arrays sized as a
+    graph wrapper's are, for the largest batch), then planned on the device for ``lens``: the
+    arrays hold FlashInfer's items for ``lens`` (each once; FlashInfer's own plan of ``lens``
+    is the reference), its busiest CTA no busier, and the attention output is bit-identical
+    to FlashInfer's schedule's."""
+    import flashinfer
+
+    from service.ranks.attention.sm90_balance import item_costs, makespan
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+    from tests.test_sm90_balance import device_schedule
+
+    if _triton_missing():
+        pytest.skip(f"the planner needs triton: {_triton_missing()}")
+    dev = torch.device("cuda")
+    hq, hkv, d = HEADS
+    t = sum(lens)
+    gen = torch.Generator(device=dev).manual_seed(len(lens))
+    q, k, v = (torch.randn(t, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
+               for h in (hq, hkv, hkv))  # fmt: skip
+    qo = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+    w.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+    balance = SM90Rebalance(dev)
+    assert balance.plans_on_device
+    theirs, their_wi = device_schedule(w, balance)
+    want = w.run(q, k, v)
+    big = torch.tensor([0, 4096], dtype=torch.int32)
+    w.plan(big, big, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+    assert balance.plan(w, hq, d, qo.to(dev), np.array(lens))
+    assert balance.device_plans == 1
+    ours, our_wi = device_schedule(w, balance)
+    assert sorted(map(tuple, ours.tolist())) == sorted(map(tuple, theirs.tolist()))
+
+    def busiest(items: np.ndarray, wi: np.ndarray) -> int:  # columns: tile, ..., qo_len, kv_len
+        return makespan(item_costs(items[:, 0], items[:, 3], items[:, 4]), wi.astype(np.int64))
+
+    assert busiest(ours, our_wi) <= busiest(theirs, their_wi)
+    assert torch.equal(w.run(q, k, v), want)
+
+
 def test_the_device_rewrite_keeps_a_schedule_it_cannot_shorten_or_read():
     """One item per CTA (nothing to gain) and CTA ranges that do not start at 0 (not a schedule
     the kernel can read): the device arrays stay FlashInfer's, byte for byte, whether the host
@@ -166,24 +222,42 @@ def test_the_service_replays_the_dealt_schedule_bit_for_bit(tmp_path):
                 assert (used.balance is not None) == (schedule == "balanced"), backend
                 if used.balance is not None:
                     wrapper = next(x for k, x in used._wrappers.items() if k[2] == "ragged")
-                    _assert_dealt(wrapper, used.balance, backend)
+                    _assert_dealt(wrapper, used, backend)
             finally:
                 e.shutdown()
         for a, b in zip(logits["balanced"], logits["own"], strict=True):
             assert torch.equal(a, b), backend
 
 
-def _assert_dealt(wrapper, balance, backend: str) -> None:
+def _assert_dealt(wrapper, attention, backend: str) -> None:
     """The schedule the last replay's attention read (the device int workspace) is the dealt
-    one: the same items as FlashInfer's last plan (its pinned buffer), a shorter busiest CTA.
-    FlashInfer's copy rewrote the device arrays at that plan, so only a rewrite after it (the
-    captured kernel, in `full`) can have left them dealt."""
-    from service.ranks.attention.sm90_balance import item_costs, makespan
-    from tests.test_sm90_balance import device_schedule
+    one. Where the planner runs (this GPU's probe trusted it), FlashInfer's host plan was
+    skipped: the arrays hold sm90_balance.planned's schedule of the slots in the indptr the
+    replay read, array for array, its busiest CTA no busier than FlashInfer's heap would have
+    made it, and the planner really ran (captured in `full`'s graph, launched by `breakable`).
+    Else the same items as FlashInfer's last plan (its pinned buffer) with a shorter busiest
+    CTA: FlashInfer's copy rewrote the device arrays at that plan, so only a rewrite after it
+    (the captured kernel, in `full`) can have left them dealt."""
+    from service.ranks.attention.sm90_balance import item_costs, makespan, planned
+    from tests.test_sm90_balance import device_schedule, flashinfer_items
 
+    balance = attention.balance
     torch.cuda.synchronize()
     ours, our_wi = device_schedule(wrapper, balance)
-    costs, their_wi = balance.planned(wrapper, HEADS[2])
     mine = makespan(item_costs(ours[:, 0], ours[:, 3], ours[:, 4]), our_wi.astype(np.int64))
+    if balance.plans_on_device:
+        replan = next(r for r in attention._replans.values() if r.wrapper is wrapper)
+        lens = np.diff(replan.indptrs[0].cpu().numpy().astype(np.int64))
+        want = planned(lens, HEADS[0], balance.num_ctas)
+        assert np.array_equal(ours, np.concatenate([want.block, want.batch[None, :]]).T), lens
+        assert np.array_equal(our_wi, want.work_indptr), backend
+        theirs, their_wi = flashinfer_items(lens.tolist(), HEADS[0], balance.num_ctas)
+        assert mine <= makespan(item_costs(theirs[:, 0], theirs[:, 3], theirs[:, 4]), their_wi)
+        if backend == "full":
+            assert balance._captured[id(wrapper)][0] == "plan"
+        else:
+            assert balance.device_plans >= 1, backend
+        return
+    costs, their_wi = balance.planned(wrapper, HEADS[2])
     assert mine < makespan(costs, their_wi.astype(np.int64)), backend
     assert balance.applied >= 1, backend

@@ -439,9 +439,18 @@ class FlashInferGraphAttention(FlashInferBase):
                     causal=True, sm_scale=shape.scale, **dtypes,
                 )  # fmt: skip
 
+            device_plan = None
+            if self.balance is not None and self.balance.plans_on_device:
+                indptr = bufs.indptrs[0]
+
+                def device_plan(lengths: np.ndarray) -> bool:
+                    return self.balance.plan(
+                        wrapper, shape.num_heads, shape.head_dim, indptr, lengths, self._defer
+                    )
+
             got = self._replans[key] = RaggedReplan(
                 wrapper, bufs.indptrs, plan,
-                after=lambda same: self._balanced(wrapper, shape, same),
+                after=lambda same: self._balanced(wrapper, shape, same), device_plan=device_plan,
             )  # fmt: skip
         return got
 
@@ -452,7 +461,14 @@ class FlashInferGraphAttention(FlashInferBase):
             return
         for shape in self.head_shapes:
             wrapper = self._wrappers.get((bucket, shape, variant))
-            if wrapper is not None:
+            if wrapper is None:
+                continue
+            replan = self._replans.get((bucket, shape)) if variant == "ragged" else None
+            # the ragged plans made on the device (the host then skips FlashInfer's plan), else
+            # FlashInfer's plan dealt again
+            if replan is None or not self.balance.launch_plan(
+                wrapper, shape.num_heads, shape.head_dim, replan.indptrs[0]
+            ):
                 self.balance.launch(wrapper, shape.head_dim)
 
     def prepare(

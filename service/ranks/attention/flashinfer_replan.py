@@ -43,6 +43,7 @@ class RaggedReplan:
         indptrs: torch.Tensor,
         plan: Callable[[torch.Tensor], None],
         after: Callable[[bool], object] | None = None,
+        device_plan: Callable[[np.ndarray], bool] | None = None,
     ) -> None:
         self.wrapper = wrapper
         self.indptrs = indptrs
@@ -51,6 +52,10 @@ class RaggedReplan:
         # schedule dealt again: flashinfer_backend's _balanced), told whether the plan info was
         # checked equal to the first plan's
         self._after = after
+        # a later plan made on the device instead of the module call (sm90_schedule's planner,
+        # FA3's schedule dealt from the lengths), told this plan's slot lengths after the indptr
+        # copy is queued: False where it did not plan, and the module call plans as before
+        self._device_plan = device_plan
         self._call: Callable[[], Any] | None = None  # the module's plan, arguments bound
         self._info: Any = None  # the first plan's info, as the module returned it
         self._recorded = False  # the first plan was made, its module call recorded if it could
@@ -95,6 +100,12 @@ class RaggedReplan:
                 self._after(False)
             return
         self.indptrs.copy_(both, non_blocking=True)  # the buffers the captured kernels read
+        if self._device_plan is not None and self._device_plan(lengths):
+            # the schedule is written on the device from those buffers; the plan info and every
+            # buffer the kernels read stay the first plan's
+            self._mark_copied()
+            self.fast = True
+            return
         info = self._call()  # its host arrays are views of our buffer: this batch's layout
         # marked after the module call, which queued its own copy of the schedule out of the
         # wrapper's pinned buffer: the next plan rewrites that buffer too, so its wait must cover

@@ -99,3 +99,43 @@ def rebalanced(costs: np.ndarray, work_indptr: np.ndarray) -> Schedule | None:
     if makespan(costs[ours.order], ours.work_indptr) >= makespan(costs, work_indptr):
         return None
     return ours
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A whole SM90 schedule, made from the request lengths alone: the arrays FlashInfer's plan
+    fills (sm90_schedule.ITEM_FIELDS but the batch, as rows; the batch indices; the CTA ranges),
+    in the order the CTAs take the items."""
+
+    block: np.ndarray  # (6, n) int64: tile, qo_indptr, kv_indptr, qo_len, kv_len, head
+    batch: np.ndarray  # (n,) int64: each item's request
+    work_indptr: np.ndarray  # (num_ctas+1,) int64
+
+
+def item_count(lengths: np.ndarray, heads: int, rows: int = CTA_TILE_Q) -> int:
+    """How many work items FlashInfer's SM90 plan makes of these query lengths (no cached
+    prefix): one per query tile, per request, per query head."""
+    return heads * int((-(-np.asarray(lengths, dtype=np.int64) // rows)).sum())
+
+
+def planned(lengths: np.ndarray, heads: int, num_ctas: int, rows: int = CTA_TILE_Q) -> Planned:
+    """The dealt schedule of a prefill without a cached prefix (query and KV ranges equal), from
+    its request lengths (sentinel slots: 0): FlashInfer's items (every query tile of every
+    request, per head), listed heads outer, requests in slot order, tiles last to first, then
+    dealt in the snake, ties in that order. What ``sm90_triton.plan`` writes on the device, where
+    FlashInfer's host plan and the rewrite after it are skipped: the items are the plan's (a
+    multiset: FlashInfer lists requests by length), the schedule is the snake's even where
+    FlashInfer's heap would have been as short."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    tiles = -(-lengths // rows)
+    per_head = int(tiles.sum())
+    req = np.repeat(np.arange(lengths.shape[0]), tiles)
+    first = np.repeat(np.cumsum(tiles) - tiles, tiles)
+    tile = tiles[req] - 1 - (np.arange(per_head) - first)
+    req, tile = np.tile(req, heads), np.tile(tile, heads)
+    head = np.repeat(np.arange(heads), per_head)
+    lens = lengths[req]
+    schedule = snake(item_costs(tile, lens, lens, rows), num_ctas)
+    block = np.stack([tile, starts[req], starts[req], lens, lens, head])
+    return Planned(block[:, schedule.order], req[schedule.order], schedule.work_indptr)

@@ -25,7 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.ranks.attention.sm90_balance import CTA_TILE_Q, item_costs, rebalanced, tile_rows
+from service.ranks.attention.sm90_balance import (
+    CTA_TILE_Q,
+    item_costs,
+    item_count,
+    planned,
+    rebalanced,
+    tile_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +105,14 @@ class SM90Rebalance:
         if on_device and not cuda:
             raise ValueError("the device rewrite needs a CUDA device")
         self.on_device = on_device
+        # the whole schedule made on the device from the request lengths (sm90_triton.plan),
+        # FlashInfer's host plan skipped: where its start-up probe plans as the reference does
+        self.plans_on_device = on_device and cuda and _device_plan_checked(device, num_ctas)
         # id(wrapper) -> (its device int buffer, the kernel's copy of the region, its scratch)
         self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # id(wrapper) -> the layout its captured kernel was recorded for (``full``)
-        self._captured: dict[int, Placed] = {}
+        # id(wrapper) -> the kernel captured for it in ``full``'s graph ("deal" or "plan") and
+        # the layout it was recorded for
+        self._captured: dict[int, tuple[str, Placed]] = {}
         # id(wrapper) -> (plan info, its pinned and device int buffers, its placed layout or None)
         self._layouts: dict[int, tuple[Any, torch.Tensor, torch.Tensor, Placed | None]] = {}
         self._stage = torch.empty(0, dtype=torch.int32)
@@ -112,6 +123,7 @@ class SM90Rebalance:
         self._failed: str | None = None  # the first failed check, logged once
         self.applied = 0  # plans whose schedule was rewritten
         self.kept = 0  # plans whose schedule was already as short (or checks failed)
+        self.device_plans = 0  # plans made by the planner instead of FlashInfer's host plan
 
     def __call__(
         self, wrapper: Any, head_dim: int, same_info: bool = False, defer: bool = False
@@ -138,7 +150,7 @@ class SM90Rebalance:
                     return False
                 return self._deal_on_device(wrapper, head_dim, got)
             captured = self._captured.get(id(wrapper))
-            if captured is not None and captured is not got:
+            if captured is not None and captured[1] is not got:
                 raise RuntimeError(
                     "FlashInfer's SM90 plan layout changed under a captured schedule kernel; "
                     "the captured graph is no longer valid (run with --prefill-schedule own)"
@@ -182,6 +194,72 @@ class SM90Rebalance:
         self.applied += 1
         return True
 
+    def plan(
+        self,
+        wrapper: Any,
+        heads: int,
+        head_dim: int,
+        indptr: torch.Tensor,
+        lengths: np.ndarray,
+        defer: bool = False,
+    ) -> bool:
+        """Plan ``wrapper`` (a CUDA-graph ragged wrapper, planned once through FlashInfer, whose
+        query and KV ranges are the same) for request slots of these query ``lengths`` on the
+        device, in place of FlashInfer's host plan and the rewrite after it: the planner
+        (:func:`sm90_triton.plan`) reads the slots' row ranges from ``indptr`` (the wrapper's
+        device indptr, the caller's copy of this plan's queued before) and writes the whole dealt
+        schedule. True where it did (or, ``defer``, where ``full``'s graph holds the planner,
+        captured by :meth:`launch_plan`); False where the caller must plan through FlashInfer:
+        no trusted planner, not an SM90 layout, more items than the arrays hold, or (not
+        deferred) at most one item per CTA, which FlashInfer's plan schedules as well and for
+        less host time than a kernel launch."""
+        if not self.plans_on_device or getattr(wrapper, "_backend", None) != "fa3":
+            return False
+        got = self._layout(wrapper, True)
+        if got is None:
+            return False
+        layout, _, region = got
+        rows = tile_rows(head_dim)
+        n = item_count(lengths, heads, rows)
+        if n > layout.capacity:
+            return False
+        if defer:
+            captured = self._captured.get(id(wrapper))
+            return captured is not None and captured[0] == "plan" and captured[1] is got
+        if n <= self.num_ctas:
+            return False
+        from service.ranks.attention import sm90_triton
+
+        at = layout.at
+        sm90_triton.plan(
+            indptr, region, heads, layout.capacity, at["work_indptr"] - layout.start,
+            at["batch"] - layout.start, self.num_ctas, rows,
+        )  # fmt: skip
+        self.device_plans += 1
+        return True
+
+    def launch_plan(self, wrapper: Any, heads: int, head_dim: int, indptr: torch.Tensor) -> bool:
+        """Capture the planner of ``wrapper``'s plans into ``full``'s graph (inside its capture,
+        after the wrapper's first plan): each replay plans the live batch on the device from
+        ``indptr``, and :meth:`plan` (deferred) lets the host skip FlashInfer's plan. False
+        where the planner is not trusted or the plan is not an SM90 layout (nothing queued)."""
+        if not self.plans_on_device or getattr(wrapper, "_backend", None) != "fa3":
+            return False
+        got = self._layout(wrapper, True)
+        if got is None:
+            return False
+        from service.ranks.attention import sm90_triton
+
+        layout, _, region = got
+        at = layout.at
+        sm90_triton.plan(
+            indptr, region, heads, layout.capacity, at["work_indptr"] - layout.start,
+            at["batch"] - layout.start, self.num_ctas, tile_rows(head_dim),
+        )  # fmt: skip
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._captured[id(wrapper)] = ("plan", got)
+        return True
+
     def _items_fit_ctas(self, got: Placed) -> bool:
         """Whether the plan in the pinned buffer has at most one item per CTA (FlashInfer's item
         count is the CTA ranges' end; the host rewrite reads it with the ranges it needs)."""
@@ -212,7 +290,7 @@ class SM90Rebalance:
             at["batch"] - layout.start, self.num_ctas, tile_rows(head_dim),
         )  # fmt: skip
         if torch.cuda.is_current_stream_capturing():
-            self._captured[id(wrapper)] = got
+            self._captured[id(wrapper)] = ("deal", got)
         self.applied += 1
         return True
 
@@ -364,6 +442,64 @@ def device_rewrite_error(device: torch.device, num_ctas: int) -> str | None:
     except Exception as exc:
         return f"the device rewrite failed ({type(exc).__name__}: {exc})".splitlines()[0]
     return None
+
+
+def planner_bytes(
+    lengths: list[int], heads: int, num_ctas: int, device: torch.device, spare: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The planner's region for request slots of these ``lengths``, laid out as FlashInfer lays
+    an SM90 plan (``spare`` entries past each array's items, -7 in every entry no array owns),
+    and the region sm90_balance.planned says it must write: (written, wanted), on ``device``."""
+    from service.ranks.attention import sm90_triton
+
+    lens = np.asarray(lengths, dtype=np.int64)
+    n = item_count(lens, heads)
+    cap = n + spare
+    wi, batch = 6 * cap, 6 * cap + num_ctas + 1 + spare
+    want = np.full(batch + cap + spare, -7, dtype=np.int32)
+    p = planned(lens, heads, num_ctas)
+    want[: 6 * cap].reshape(6, cap)[:, :n] = p.block
+    want[batch : batch + n] = p.batch
+    want[wi : wi + num_ctas + 1] = p.work_indptr
+    region = torch.full(want.shape, -7, dtype=torch.int32, device=device)
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=device)
+    sm90_triton.plan(indptr, region, heads, cap, wi, batch, num_ctas, CTA_TILE_Q)
+    return region, torch.from_numpy(want).to(device)
+
+
+# the planner's start-up probe: slots with a sentinel, lengths on and off tile edges (equal costs
+# across requests), more items than CTAs on any GPU
+PROBE_LENGTHS = (2048, 0, 700, 384, 1000)
+
+
+@functools.cache
+def device_plan_error(device: torch.device, num_ctas: int) -> str | None:
+    """None where the planner writes exactly sm90_balance.planned's schedule for the probe's
+    slots (:data:`PROBE_LENGTHS`, 12 heads), else why not. Once per device."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return f"triton does not import ({type(exc).__name__}: {exc})".splitlines()[0]
+    try:
+        written, wanted = planner_bytes(list(PROBE_LENGTHS), 12, num_ctas, device)
+        if not torch.equal(written, wanted):
+            return "the planner wrote another schedule than the reference for the probe's slots"
+    except Exception as exc:
+        return f"the planner failed ({type(exc).__name__}: {exc})".splitlines()[0]
+    return None
+
+
+@functools.cache  # logged once per device
+def _device_plan_checked(device: torch.device, num_ctas: int) -> bool:
+    err = device_plan_error(device, num_ctas)
+    if err is None:
+        log.info(
+            "SM90 prefill schedule: planned on the device from the request lengths (FlashInfer's "
+            "host plan skipped where more items than CTAs; a probe planned as the reference)"
+        )
+    else:
+        log.warning("SM90 prefill schedule: FlashInfer's host plan kept: %s", err)
+    return err is None
 
 
 @functools.cache  # logged once per device, however many attention backends ask

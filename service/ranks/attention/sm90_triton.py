@@ -121,6 +121,104 @@ def _deal_kernel(
             tl.store(dst_ptr + WI + c, c * rounds + lead, mask=c <= NUM_CTAS)
 
 
+@triton.jit
+def _plan_kernel(
+    indptr_ptr,  # int32 (S+1,): the query (= KV) row ranges of the request slots
+    dst_ptr,  # int32: the region in the int workspace the attention kernel reads (as in deal)
+    S,  # request slots (sentinels: empty ranges)
+    HEADS,  # query heads
+    CAP,
+    WI,
+    BATCH,
+    NUM_CTAS: tl.constexpr,
+    CPAD: tl.constexpr,  # a power of two > NUM_CTAS
+    SPAD: tl.constexpr,  # a power of two > S
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """sm90_balance.planned, item for item. Item j (heads outer, requests in slot order, tiles
+    last to first) is found from the requests' tile counts; its place in the longest-first order
+    (ties in j's order) is counted per request in closed form, not by comparing items: a
+    request of L rows and k tiles has tiles whose attended rows (the cost less its fixed part)
+    are R, 2R, ..., (k-1)R, then L for the last."""
+    s = tl.arange(0, SPAD)
+    live = s < S
+    lo = tl.load(indptr_ptr + s, mask=live, other=0)
+    lens = tl.load(indptr_ptr + 1 + s, mask=live, other=0) - lo
+    tiles = (lens + ROWS - 1) // ROWS
+    ends = tl.cumsum(tiles, axis=0)
+    starts = ends - tiles
+    per_head = tl.sum(tiles, axis=0)
+    n = HEADS * per_head
+    if n <= CAP:  # the host checks it too; a plan past the arrays is left as it was
+        rounds = n // NUM_CTAS
+        rem = n % NUM_CTAS
+        even = rounds % 2 == 0
+        for b in range(0, n, BLOCK):
+            j = b + tl.arange(0, BLOCK)
+            m = j < n
+            head = j // tl.maximum(per_head, 1)
+            r = j - head * per_head
+            mine = (starts[None, :] <= r[:, None]) & (r[:, None] < ends[None, :])
+            req = tl.sum(tl.where(mine, s[None, :], 0), axis=1)
+            length = tl.sum(tl.where(mine, lens[None, :], 0), axis=1)
+            k = tl.sum(tl.where(mine, tiles[None, :], 0), axis=1)
+            first = tl.sum(tl.where(mine, starts[None, :], 0), axis=1)
+            q0 = tl.sum(tl.where(mine, lo[None, :], 0), axis=1)
+            tile = k - 1 - (r - first)
+            v = tl.minimum((tile + 1) * ROWS, length)  # rows attended: the cost less 2 ROWS
+            # per request: its tiles attending more rows than v, and as many (at most one)
+            whole = tiles[None, :] - 1  # tiles before the last: R, 2R, ... rows
+            steps = v[:, None] // ROWS
+            more = whole - tl.minimum(whole, steps) + (lens[None, :] > v[:, None]).to(tl.int32)
+            same = ((v[:, None] % ROWS == 0) & (steps <= whole)) | (lens[None, :] == v[:, None])
+            real = live[None, :] & (tiles[None, :] > 0)
+            more = tl.where(real, more, 0)
+            same = (same & real).to(tl.int32)
+            rank = (
+                HEADS * tl.sum(more, axis=1)
+                + head * tl.sum(same, axis=1)
+                + tl.sum(tl.where(s[None, :] < req[:, None], same, 0), axis=1)
+            )
+            # the snake (sm90_balance.snake), as deal places a rank
+            rnd = rank // NUM_CTAS
+            kk = rank % NUM_CTAS
+            cta = tl.where(rnd % 2 == 0, kk, NUM_CTAS - 1 - kk)
+            lead = tl.where(even, tl.minimum(cta, rem), tl.maximum(cta - (NUM_CTAS - rem), 0))
+            pos = cta * rounds + lead + rnd
+            tl.store(dst_ptr + pos, tile, mask=m)
+            tl.store(dst_ptr + CAP + pos, q0, mask=m)
+            tl.store(dst_ptr + 2 * CAP + pos, q0, mask=m)
+            tl.store(dst_ptr + 3 * CAP + pos, length, mask=m)
+            tl.store(dst_ptr + 4 * CAP + pos, length, mask=m)
+            tl.store(dst_ptr + 5 * CAP + pos, head, mask=m)
+            tl.store(dst_ptr + BATCH + pos, req, mask=m)
+        c = tl.arange(0, CPAD)
+        lead = tl.where(even, tl.minimum(c, rem), tl.maximum(c - (NUM_CTAS - rem), 0))
+        tl.store(dst_ptr + WI + c, c * rounds + lead, mask=c <= NUM_CTAS)
+
+
+def plan(
+    indptr: torch.Tensor,
+    dst: torch.Tensor,
+    heads: int,
+    capacity: int,
+    work_indptr_at: int,
+    batch_at: int,
+    num_ctas: int,
+    rows: int,
+) -> None:
+    """Queue the planner: ``dst`` (int32, the region) written with sm90_balance.planned's
+    schedule of the request slots whose row ranges ``indptr`` (int32, S+1, on the device) holds.
+    Offsets are in int32 elements from the region's start."""
+    slots = indptr.shape[0] - 1
+    _plan_kernel[(1,)](
+        indptr, dst, slots, heads, capacity, work_indptr_at, batch_at,
+        NUM_CTAS=num_ctas, CPAD=triton.next_power_of_2(num_ctas + 1),
+        SPAD=triton.next_power_of_2(slots + 1), ROWS=rows, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
 def deal(
     src: torch.Tensor,
     dst: torch.Tensor,

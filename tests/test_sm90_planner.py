@@ -1,0 +1,172 @@
+"""FA3's prefill schedule made from the request lengths alone (sm90_balance.planned, which the
+device planner sm90_triton.plan writes array for array: benchmarks/sm90_interpret.py checks the
+kernel against it under Triton's interpreter, tests/test_sm90_schedule.py on the GPU), and when
+SM90Rebalance.plan lets it replace FlashInfer's host plan. CPU only: the planner's kernel is
+stood in for by the reference it is checked against, so these pin the schedule's contract and
+the decisions and offsets around the launch."""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from service.ranks.attention import sm90_balance
+from service.ranks.attention.sm90_balance import item_costs, item_count, makespan, planned
+from tests.test_sm90_balance import H100_SMS, device_schedule, fake_wrapper, flashinfer_items
+
+
+def _rows(p: sm90_balance.Planned) -> np.ndarray:
+    """The planned items as rows of sm90_schedule.ITEM_FIELDS (the batch last)."""
+    return np.concatenate([p.block, p.batch[None, :]]).T
+
+
+def _random_slots(rng: random.Random) -> list[int]:
+    lens = [rng.choice([0, rng.randrange(1, 129), rng.randrange(1, 4097)]) for _ in range(6)]
+    return lens[: rng.randrange(1, 7)]
+
+
+@pytest.mark.parametrize(
+    "lens", [[2048], [1000, 700, 348], [2048, 0, 700, 384, 1000], [128, 256, 0, 0], [1, 4096]]
+)
+def test_the_planned_schedule_runs_flashinfers_items_no_longer_than_its_heap(lens):
+    """The attention computes the same thing whichever schedule it reads: the planned items are
+    FlashInfer's, each once (tile, ranges, lengths, head and request), and the busiest CTA is
+    never busier than under FlashInfer's heap for these layouts."""
+    heads = 12
+    ours = planned(np.array(lens), heads, H100_SMS)
+    theirs, their_wi = flashinfer_items(lens, heads, H100_SMS)
+    assert ours.block.shape[1] == item_count(np.array(lens), heads) == len(theirs)
+    assert sorted(map(tuple, _rows(ours).tolist())) == sorted(map(tuple, theirs.tolist()))
+    mine = makespan(item_costs(ours.block[0], ours.block[3], ours.block[4]), ours.work_indptr)
+    heap = makespan(item_costs(theirs[:, 0], theirs[:, 3], theirs[:, 4]), their_wi)
+    assert mine <= heap
+
+
+def test_random_slots_plan_every_item_once_within_the_list_scheduling_bound():
+    """Random slot layouts (sentinels, lengths on and off tile edges), heads and CTA counts: the
+    items are FlashInfer's, the CTA ranges cover them in order with counts at most one apart
+    (the snake's), and the busiest CTA is within the greedy bound (mean load plus the longest
+    item), which a schedule that dropped, repeated or piled up items would break."""
+    rng = random.Random(47)
+    for _ in range(150):
+        lens, heads, ctas = _random_slots(rng), rng.choice([1, 2, 12, 16]), rng.choice([78, 132])
+        ours = planned(np.array(lens), heads, ctas)
+        theirs, _ = flashinfer_items(lens, heads, ctas)
+        assert sorted(map(tuple, _rows(ours).tolist())) == sorted(map(tuple, theirs.tolist()))
+        wi = ours.work_indptr
+        assert wi[0] == 0 and wi[-1] == len(theirs) and len(wi) == ctas + 1
+        assert np.ptp(np.diff(wi)) <= 1, (lens, heads, ctas)
+        costs = item_costs(ours.block[0], ours.block[3], ours.block[4])
+        if len(costs):
+            assert makespan(costs, wi) <= costs.sum() / ctas + costs.max(), (lens, heads)
+
+
+class _Planner:
+    """sm90_triton.plan as its reference writes it (the kernel is checked against the same
+    reference elsewhere): reads the slots from ``indptr``, writes the region at the offsets it
+    is given."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def plan(self, indptr, dst, heads, capacity, wi_at, batch_at, num_ctas, rows) -> None:
+        self.launches += 1
+        lens = np.diff(indptr.numpy().astype(np.int64))
+        n = item_count(lens, heads, rows)
+        if n > capacity:
+            return
+        p = planned(lens, heads, num_ctas, rows)
+        for f in range(6):
+            dst[f * capacity : f * capacity + n] = torch.tensor(p.block[f])
+        dst[batch_at : batch_at + n] = torch.tensor(p.batch)
+        dst[wi_at : wi_at + num_ctas + 1] = torch.tensor(p.work_indptr)
+
+
+@pytest.fixture
+def planner(monkeypatch) -> _Planner:
+    got = _Planner()
+    fake = types.ModuleType("service.ranks.attention.sm90_triton")
+    fake.plan = got.plan
+    monkeypatch.setitem(sys.modules, "service.ranks.attention.sm90_triton", fake)
+    monkeypatch.setattr(sys.modules["service.ranks.attention"], "sm90_triton", fake, raising=False)
+    return got
+
+
+def _trusted():
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    balance = SM90Rebalance(torch.device("cpu"), num_ctas=H100_SMS)
+    assert not balance.plans_on_device  # never without CUDA and a probe that passed
+    balance.plans_on_device = True  # as the probe sets it on a GPU
+    return balance
+
+
+def _indptr(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+
+
+def test_the_planner_replaces_flashinfers_plan_only_where_more_items_than_ctas(planner):
+    """A wrapper planned once through FlashInfer (its capture's plan, [2048]); later batches
+    planned on the device where they hold more items than CTAs: the arrays the attention reads
+    then hold the planned schedule of the new slots, and FlashInfer's pinned buffer (its last
+    host plan) is left alone; at most one item per CTA, or more items than the arrays hold,
+    FlashInfer plans (nothing launched, nothing written)."""
+    theirs, their_wi = flashinfer_items([2048], 12, H100_SMS)
+    w = fake_wrapper(theirs, their_wi, spare=300)  # graph wrappers' arrays hold the largest batch
+    balance = _trusted()
+    pinned = w._pin_memory_int_workspace_buffer.clone()
+    for lens, planned_here in (([1000, 700, 348], True), ([1024, 0, 0], False),
+                               ([4096, 2048, 0], False), ([1500, 0, 500], True)):  # fmt: skip
+        before = w._int_workspace_buffer.clone()
+        got = balance.plan(w, 12, 128, _indptr(lens), np.array(lens))
+        assert got == planned_here, lens
+        if not planned_here:
+            assert torch.equal(w._int_workspace_buffer, before), lens
+            continue
+        ours, wi = device_schedule(w, balance)
+        want = planned(np.array(lens), 12, H100_SMS)
+        assert np.array_equal(ours, _rows(want)) and np.array_equal(wi, want.work_indptr)
+    assert balance.device_plans == planner.launches == 2
+    assert torch.equal(w._pin_memory_int_workspace_buffer, pinned)
+
+
+def test_a_deferred_plan_is_skipped_only_where_the_graph_holds_the_planner(planner):
+    """``full``: the host skips FlashInfer's plan (deferred) only where the captured graph
+    replays the planner for this wrapper's layout; a graph holding the deal kernel (it deals
+    the host plan again) or none at all needs FlashInfer's plan, and nothing is launched at
+    plan time either way."""
+    theirs, their_wi = flashinfer_items([2048], 12, H100_SMS)
+    w = fake_wrapper(theirs, their_wi, spare=300)
+    balance = _trusted()
+    lens = np.array([16, 0, 0])  # fewer items than CTAs: the graph's planner plans it anyway
+    assert not balance.plan(w, 12, 128, _indptr([16, 0, 0]), lens, defer=True)
+    got = balance._layout(w, True)
+    balance._captured[id(w)] = ("deal", got)
+    assert not balance.plan(w, 12, 128, _indptr([16, 0, 0]), lens, defer=True)
+    balance._captured[id(w)] = ("plan", got)
+    assert balance.plan(w, 12, 128, _indptr([16, 0, 0]), lens, defer=True)
+    assert planner.launches == 0 and balance.device_plans == 0
+    # launch_plan (what the capture records) queues it with the offsets of this layout
+    assert balance.launch_plan(w, 12, 128, _indptr([1000, 700, 348]))
+    ours, _ = device_schedule(w, balance)
+    want = planned(np.array([1000, 700, 348]), 12, H100_SMS)
+    assert np.array_equal(ours, _rows(want)) and planner.launches == 1
+
+
+def test_an_untrusted_planner_or_another_backend_leaves_planning_to_flashinfer(planner):
+    theirs, their_wi = flashinfer_items([2048], 12, H100_SMS)
+    w = fake_wrapper(theirs, their_wi)
+    balance = _trusted()
+    balance.plans_on_device = False
+    lens = [1000, 700, 348]
+    assert not balance.plan(w, 12, 128, _indptr(lens), np.array(lens))
+    assert not balance.launch_plan(w, 12, 128, _indptr(lens))
+    balance.plans_on_device = True
+    w._backend = "fa2"
+    assert not balance.plan(w, 12, 128, _indptr(lens), np.array(lens))
+    assert planner.launches == 0
