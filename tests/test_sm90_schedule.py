@@ -110,11 +110,10 @@ def test_the_start_up_probe_trusts_the_device_planner_here():
 
 @pytest.mark.parametrize("lens", [[2048], [1000, 700, 348], [3000, 0, 1000, 50, 48], [4096]])
 def test_the_planner_replaces_flashinfers_plan_with_the_same_output(lens):
-    """A wrapper planned by FlashInfer for one request of 4,096 rows (its arrays sized as a
-    graph wrapper's are, for the largest batch), then planned on the device for ``lens``: the
-    arrays hold FlashInfer's items for ``lens`` (each once; FlashInfer's own plan of ``lens``
-    is the reference), its busiest CTA no busier, and the attention output is bit-identical
-    to FlashInfer's schedule's."""
+    """A wrapper planned by FlashInfer for one request of 8,192 rows (its arrays sized as a
+    graph wrapper's are, for the largest batch), then planned on the device for ``lens``: its
+    arrays hold the items of FlashInfer's own plan of ``lens`` (another wrapper's), each once,
+    its busiest CTA no busier, and the attention output is bit-identical to that plan's."""
     import flashinfer
 
     from service.ranks.attention.sm90_balance import item_costs, makespan
@@ -125,20 +124,26 @@ def test_the_planner_replaces_flashinfers_plan_with_the_same_output(lens):
         pytest.skip(f"the planner needs triton: {_triton_missing()}")
     dev = torch.device("cuda")
     hq, hkv, d = HEADS
-    t = sum(lens)
+    t, bucket = sum(lens), 8192
     gen = torch.Generator(device=dev).manual_seed(len(lens))
-    q, k, v = (torch.randn(t, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
+    q, k, v = (torch.randn(bucket, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
                for h in (hq, hkv, hkv))  # fmt: skip
     qo = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
-    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-    w.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+    ref, w = (
+        flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            torch.zeros(128 << 20, dtype=torch.uint8, device=dev), "NHD", backend="fa3"
+        )
+        for _ in range(2)
+    )
+    ref.plan(qo, qo, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
     balance = SM90Rebalance(dev)
     assert balance.plans_on_device
-    theirs, their_wi = device_schedule(w, balance)
-    want = w.run(q, k, v)
-    big = torch.tensor([0, 4096], dtype=torch.int32)
-    w.plan(big, big, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
+    theirs, their_wi = device_schedule(ref, balance)
+    want = ref.run(q[:t], k[:t], v[:t])
+    # w planned by FlashInfer for the bucket's rows as one request (its arrays sized for the
+    # largest batch, as a graph wrapper's are), then on the device for ``lens`` in its first rows
+    whole = torch.tensor([0, bucket], dtype=torch.int32)
+    w.plan(whole, whole, hq, hkv, d, causal=True, q_data_type=torch.bfloat16)
     assert balance.plan(w, hq, d, qo.to(dev), np.array(lens))
     assert balance.device_plans == 1
     ours, our_wi = device_schedule(w, balance)
@@ -148,7 +153,7 @@ def test_the_planner_replaces_flashinfers_plan_with_the_same_output(lens):
         return makespan(item_costs(items[:, 0], items[:, 3], items[:, 4]), wi.astype(np.int64))
 
     assert busiest(ours, our_wi) <= busiest(theirs, their_wi)
-    assert torch.equal(w.run(q, k, v), want)
+    assert torch.equal(w.run(q, k, v)[:t], want)  # the rows past the requests: not planned
 
 
 def test_the_device_rewrite_keeps_a_schedule_it_cannot_shorten_or_read():
