@@ -213,28 +213,18 @@ class SM90Rebalance:
         no trusted planner, not an SM90 layout, more items than the arrays hold, or (not
         deferred) at most one item per CTA, which FlashInfer's plan schedules as well and for
         less host time than a kernel launch."""
-        if not self.plans_on_device or getattr(wrapper, "_backend", None) != "fa3":
-            return False
-        got = self._layout(wrapper, True)
+        got = self._plannable(wrapper)
         if got is None:
             return False
-        layout, _, region = got
-        rows = tile_rows(head_dim)
-        n = item_count(lengths, heads, rows)
-        if n > layout.capacity:
+        n = item_count(lengths, heads, tile_rows(head_dim))
+        if n > got[0].capacity:
             return False
         if defer:
             captured = self._captured.get(id(wrapper))
             return captured is not None and captured[0] == "plan" and captured[1] is got
         if n <= self.num_ctas:
             return False
-        from service.ranks.attention import sm90_triton
-
-        at = layout.at
-        sm90_triton.plan(
-            indptr, region, heads, layout.capacity, at["work_indptr"] - layout.start,
-            at["batch"] - layout.start, self.num_ctas, rows,
-        )  # fmt: skip
+        self._queue_plan(got, heads, head_dim, indptr)
         self.device_plans += 1
         return True
 
@@ -243,11 +233,22 @@ class SM90Rebalance:
         after the wrapper's first plan): each replay plans the live batch on the device from
         ``indptr``, and :meth:`plan` (deferred) lets the host skip FlashInfer's plan. False
         where the planner is not trusted or the plan is not an SM90 layout (nothing queued)."""
-        if not self.plans_on_device or getattr(wrapper, "_backend", None) != "fa3":
-            return False
-        got = self._layout(wrapper, True)
+        got = self._plannable(wrapper)
         if got is None:
             return False
+        self._queue_plan(got, heads, head_dim, indptr)
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._captured[id(wrapper)] = ("plan", got)
+        return True
+
+    def _plannable(self, wrapper: Any) -> Placed | None:
+        """The layout the planner writes for ``wrapper`` (its first plan's: graph wrappers keep
+        it), or None where the planner is not trusted or the plan is not an SM90 layout."""
+        if not self.plans_on_device or getattr(wrapper, "_backend", None) != "fa3":
+            return None
+        return self._layout(wrapper, True)
+
+    def _queue_plan(self, got: Placed, heads: int, head_dim: int, indptr: torch.Tensor) -> None:
         from service.ranks.attention import sm90_triton
 
         layout, _, region = got
@@ -256,9 +257,6 @@ class SM90Rebalance:
             indptr, region, heads, layout.capacity, at["work_indptr"] - layout.start,
             at["batch"] - layout.start, self.num_ctas, tile_rows(head_dim),
         )  # fmt: skip
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self._captured[id(wrapper)] = ("plan", got)
-        return True
 
     def _items_fit_ctas(self, got: Placed) -> bool:
         """Whether the plan in the pinned buffer has at most one item per CTA (FlashInfer's item

@@ -35,6 +35,18 @@ BLOCK = 64  # items per step of each loop
 
 
 @triton.jit
+def _snake_pos(rank, NUM_CTAS: tl.constexpr, rounds, rem, even):
+    """Where the snake (sm90_balance.snake) puts the item of this longest-first ``rank``: its
+    index in the CTA-ordered arrays (the last, partial round went to the first ``rem`` CTAs
+    when the full rounds are even, to the last when odd)."""
+    r = rank // NUM_CTAS
+    k = rank % NUM_CTAS
+    cta = tl.where(r % 2 == 0, k, NUM_CTAS - 1 - k)
+    lead = tl.where(even, tl.minimum(cta, rem), tl.maximum(cta - (NUM_CTAS - rem), 0))
+    return cta * rounds + lead + r
+
+
+@triton.jit
 def _deal_kernel(
     src_ptr,  # int32: a copy of the region [tile .. batch + CAP), as FlashInfer's copy left it
     dst_ptr,  # int32: the region in the int workspace the attention kernel reads
@@ -106,12 +118,7 @@ def _deal_kernel(
                 i = s + tl.arange(0, BLOCK)
                 m = i < n
                 rank = tl.load(tmp_ptr + CAP + i, mask=m, other=0, cache_modifier=".cg")
-                r = rank // NUM_CTAS
-                k = rank % NUM_CTAS
-                cta = tl.where(r % 2 == 0, k, NUM_CTAS - 1 - k)
-                # the last, partial round went to the first `rem` CTAs (even) or the last (odd)
-                lead = tl.where(even, tl.minimum(cta, rem), tl.maximum(cta - (NUM_CTAS - rem), 0))
-                pos = cta * rounds + lead + r
+                pos = _snake_pos(rank, NUM_CTAS, rounds, rem, even)
                 for f in range(6):
                     v = tl.load(src_ptr + f * CAP + i, mask=m)
                     tl.store(dst_ptr + f * CAP + pos, v, mask=m)
@@ -180,12 +187,7 @@ def _plan_kernel(
                 + head * tl.sum(same, axis=1)
                 + tl.sum(tl.where(s[None, :] < req[:, None], same, 0), axis=1)
             )
-            # the snake (sm90_balance.snake), as deal places a rank
-            rnd = rank // NUM_CTAS
-            kk = rank % NUM_CTAS
-            cta = tl.where(rnd % 2 == 0, kk, NUM_CTAS - 1 - kk)
-            lead = tl.where(even, tl.minimum(cta, rem), tl.maximum(cta - (NUM_CTAS - rem), 0))
-            pos = cta * rounds + lead + rnd
+            pos = _snake_pos(rank, NUM_CTAS, rounds, rem, even)
             tl.store(dst_ptr + pos, tile, mask=m)
             tl.store(dst_ptr + CAP + pos, q0, mask=m)
             tl.store(dst_ptr + 2 * CAP + pos, q0, mask=m)
