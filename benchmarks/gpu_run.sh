@@ -16,6 +16,7 @@
 #                                                      # serve-si (SI=seconds: switch interval),
 #                                                      # gemm (linear layers alone),
 #                                                      # launch (graph launch cost),
+#                                                      # planhost (a ragged plan's host time),
 #                                                      # attn (FA2 against FA3 prefill),
 #                                                      # rope (rotary + K/V store kernels),
 #                                                      # splitk (split-K GEMM + add-RMSNorm probe),
@@ -181,6 +182,8 @@ for what in "$@"; do
             ${AB_TIMELINE:+--timeline $AB_TIMELINE} $EXTRA --out "$RES/ab_${tree}_$round.json"
         done
       done ;;
+    planhost)  # one ragged plan's host time: FlashInfer's module, the deal, the device planner
+      TAIL=30 step plan_host 200 python3 benchmarks/plan_host.py --iters 300 --out "$RES/plan_host.json" ;;
     launch)  # what a graph launch costs the host, and when the device starts it
       TAIL=20 step graph_launch 120 python3 benchmarks/graph_launch.py --out "$RES/graph_launch.json" ;;
     attn)  # FlashInfer's ragged prefill kernels, FA2 against FA3: device us per call, host plan us;
