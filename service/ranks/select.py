@@ -248,7 +248,9 @@ def choose_prefill_schedule(
     The launch is now skipped where the plan has at most one item per CTA: in session 46 the
     same kernels and device time as the own schedule there, but `breakable` still 1-4% slower
     at 16-1,024 tokens in both of two alternating rounds (2-3% faster at 2,048). Until a longer
-    A/B settles that, they keep the kernel's own schedule.
+    A/B settles that, they keep the kernel's own schedule. (Session 47: where the balanced
+    schedule runs, plans with more items than CTAs are written by the device planner instead,
+    FlashInfer's host plan skipped; below that nothing changed, so neither did this choice.)
 
     ``device_rewrite_error``: the start-up probe of the device rewrite (service.ranks.attention.
     sm90_schedule.device_rewrite_error), run only where ``auto`` would deal again: where it
