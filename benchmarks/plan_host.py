@@ -71,9 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
-    from service.ranks.attention import sm90_triton
     from service.ranks.attention.flashinfer_replan import RaggedReplan
-    from service.ranks.attention.sm90_balance import tile_rows
     from service.ranks.attention.sm90_schedule import SM90Rebalance
 
     dev = torch.device("cuda")
@@ -101,14 +99,10 @@ def main() -> None:
         replans[name] = (r, w, bufs)
 
     w, bufs = replans["planner"][1], replans["planner"][2]
-    layout, _, region = balance._layout(w, True)
-    at = layout.at
+    got = balance._layout(w, True)
 
-    def launch() -> None:
-        sm90_triton.plan(
-            bufs.indptrs[0], region, hq, layout.capacity, at["work_indptr"] - layout.start,
-            at["batch"] - layout.start, balance.num_ctas, tile_rows(d),
-        )  # fmt: skip
+    def launch() -> None:  # the planner's launch as SM90Rebalance.plan queues it
+        balance._queue_plan(got, hq, d, bufs.indptrs[0])
 
     launch()
     graph = torch.cuda.CUDAGraph()

@@ -15,14 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from service.ranks.attention import sm90_balance
 from service.ranks.attention.sm90_balance import item_costs, item_count, makespan, planned
 from tests.test_sm90_balance import H100_SMS, device_schedule, fake_wrapper, flashinfer_items
-
-
-def _rows(p: sm90_balance.Planned) -> np.ndarray:
-    """The planned items as rows of sm90_schedule.ITEM_FIELDS (the batch last)."""
-    return np.concatenate([p.block, p.batch[None, :]]).T
 
 
 def _random_slots(rng: random.Random) -> list[int]:
@@ -41,7 +35,7 @@ def test_the_planned_schedule_runs_flashinfers_items_no_longer_than_its_heap(len
     ours = planned(np.array(lens), heads, H100_SMS)
     theirs, their_wi = flashinfer_items(lens, heads, H100_SMS)
     assert ours.block.shape[1] == item_count(np.array(lens), heads) == len(theirs)
-    assert sorted(map(tuple, _rows(ours).tolist())) == sorted(map(tuple, theirs.tolist()))
+    assert sorted(map(tuple, ours.rows().tolist())) == sorted(map(tuple, theirs.tolist()))
     mine = makespan(item_costs(ours.block[0], ours.block[3], ours.block[4]), ours.work_indptr)
     heap = makespan(item_costs(theirs[:, 0], theirs[:, 3], theirs[:, 4]), their_wi)
     assert mine <= heap
@@ -57,7 +51,7 @@ def test_random_slots_plan_every_item_once_within_the_list_scheduling_bound():
         lens, heads, ctas = _random_slots(rng), rng.choice([1, 2, 12, 16]), rng.choice([78, 132])
         ours = planned(np.array(lens), heads, ctas)
         theirs, _ = flashinfer_items(lens, heads, ctas)
-        assert sorted(map(tuple, _rows(ours).tolist())) == sorted(map(tuple, theirs.tolist()))
+        assert sorted(map(tuple, ours.rows().tolist())) == sorted(map(tuple, theirs.tolist()))
         wi = ours.work_indptr
         assert wi[0] == 0 and wi[-1] == len(theirs) and len(wi) == ctas + 1
         assert np.ptp(np.diff(wi)) <= 1, (lens, heads, ctas)
@@ -130,7 +124,7 @@ def test_the_planner_replaces_flashinfers_plan_only_where_more_items_than_ctas(p
             continue
         ours, wi = device_schedule(w, balance)
         want = planned(np.array(lens), 12, H100_SMS)
-        assert np.array_equal(ours, _rows(want)) and np.array_equal(wi, want.work_indptr)
+        assert np.array_equal(ours, want.rows()) and np.array_equal(wi, want.work_indptr)
     assert balance.device_plans == planner.launches == 2
     assert torch.equal(w._pin_memory_int_workspace_buffer, pinned)
 
@@ -155,7 +149,7 @@ def test_a_deferred_plan_is_skipped_only_where_the_graph_holds_the_planner(plann
     assert balance.launch_plan(w, 12, 128, _indptr([1000, 700, 348]))
     ours, _ = device_schedule(w, balance)
     want = planned(np.array([1000, 700, 348]), 12, H100_SMS)
-    assert np.array_equal(ours, _rows(want)) and planner.launches == 1
+    assert np.array_equal(ours, want.rows()) and planner.launches == 1
 
 
 def test_an_untrusted_planner_or_another_backend_leaves_planning_to_flashinfer(planner):

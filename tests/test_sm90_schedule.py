@@ -254,7 +254,7 @@ def _assert_dealt(wrapper, attention, backend: str) -> None:
         replan = next(r for r in attention._replans.values() if r.wrapper is wrapper)
         lens = np.diff(replan.indptrs[0].cpu().numpy().astype(np.int64))
         want = planned(lens, HEADS[0], balance.num_ctas)
-        assert np.array_equal(ours, np.concatenate([want.block, want.batch[None, :]]).T), lens
+        assert np.array_equal(ours, want.rows()), lens
         assert np.array_equal(our_wi, want.work_indptr), backend
         theirs, their_wi = flashinfer_items(lens.tolist(), HEADS[0], balance.num_ctas)
         assert mine <= makespan(item_costs(theirs[:, 0], theirs[:, 3], theirs[:, 4]), their_wi)

@@ -111,6 +111,11 @@ class Planned:
     batch: np.ndarray  # (n,) int64: each item's request
     work_indptr: np.ndarray  # (num_ctas+1,) int64
 
+    def rows(self) -> np.ndarray:
+        """The items as (n, 7) rows of sm90_schedule.ITEM_FIELDS (the block's fields, then the
+        batch), in CTA order."""
+        return np.concatenate([self.block, self.batch[None, :]]).T
+
 
 def item_count(lengths: np.ndarray, heads: int, rows: int = CTA_TILE_Q) -> int:
     """How many work items FlashInfer's SM90 plan makes of these query lengths (no cached

@@ -249,14 +249,8 @@ class SM90Rebalance:
         return self._layout(wrapper, True)
 
     def _queue_plan(self, got: Placed, heads: int, head_dim: int, indptr: torch.Tensor) -> None:
-        from service.ranks.attention import sm90_triton
-
         layout, _, region = got
-        at = layout.at
-        sm90_triton.plan(
-            indptr, region, heads, layout.capacity, at["work_indptr"] - layout.start,
-            at["batch"] - layout.start, self.num_ctas, tile_rows(head_dim),
-        )  # fmt: skip
+        _launch_planner(layout, region, heads, head_dim, indptr, self.num_ctas)
 
     def _items_fit_ctas(self, got: Placed) -> bool:
         """Whether the plan in the pinned buffer has at most one item per CTA (FlashInfer's item
@@ -442,27 +436,44 @@ def device_rewrite_error(device: torch.device, num_ctas: int) -> str | None:
     return None
 
 
+def _launch_planner(
+    layout: Layout,
+    region: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    indptr: torch.Tensor,
+    num_ctas: int,
+) -> None:
+    """Queue the planner (:func:`sm90_triton.plan`) into ``region``, the device int32 view of
+    ``layout``'s arrays, for the request slots in ``indptr``."""
+    from service.ranks.attention import sm90_triton
+
+    at = layout.at
+    sm90_triton.plan(
+        indptr, region, heads, layout.capacity, at["work_indptr"] - layout.start,
+        at["batch"] - layout.start, num_ctas, tile_rows(head_dim),
+    )  # fmt: skip
+
+
 def planner_bytes(
     lengths: list[int], heads: int, num_ctas: int, device: torch.device, spare: int = 3
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The planner's region for request slots of these ``lengths``, laid out as FlashInfer lays
-    an SM90 plan (``spare`` entries past each array's items, -7 in every entry no array owns),
-    and the region sm90_balance.planned says it must write: (written, wanted), on ``device``."""
-    from service.ranks.attention import sm90_triton
-
+    """The int workspace (int32) the planner leaves for request slots of these ``lengths`` (head
+    dim 128), written into a buffer laid out as FlashInfer lays an SM90 plan (:class:`LaidOutPlan`,
+    ``spare`` entries past each array's items, -7 in every entry no array owns) at the offsets
+    the service reads from its plan info, and the workspace sm90_balance.planned says it must
+    leave: (written, wanted), on ``device``."""
     lens = np.asarray(lengths, dtype=np.int64)
-    n = item_count(lens, heads)
-    cap = n + spare
-    wi, batch = 6 * cap, 6 * cap + num_ctas + 1 + spare
-    want = np.full(batch + cap + spare, -7, dtype=np.int32)
     p = planned(lens, heads, num_ctas)
-    want[: 6 * cap].reshape(6, cap)[:, :n] = p.block
-    want[batch : batch + n] = p.batch
-    want[wi : wi + num_ctas + 1] = p.work_indptr
-    region = torch.full(want.shape, -7, dtype=torch.int32, device=device)
+    wanted = LaidOutPlan(p.rows(), p.work_indptr, device, spare)
+    layout = Layout.of(wanted._plan_info, num_ctas)
+    if layout is None:
+        raise RuntimeError("the probe's plan info is not an SM90 layout")
+    want = wanted._int_workspace_buffer.view(torch.int32)
+    written = torch.full_like(want, -7)
     indptr = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=device)
-    sm90_triton.plan(indptr, region, heads, cap, wi, batch, num_ctas, CTA_TILE_Q)
-    return region, torch.from_numpy(want).to(device)
+    _launch_planner(layout, written[layout.start : layout.end], heads, 128, indptr, num_ctas)
+    return written, want
 
 
 # the planner's start-up probe: slots with a sentinel, lengths on and off tile edges (equal costs

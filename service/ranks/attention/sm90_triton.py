@@ -37,13 +37,26 @@ BLOCK = 64  # items per step of each loop
 @triton.jit
 def _snake_pos(rank, NUM_CTAS: tl.constexpr, rounds, rem, even):
     """Where the snake (sm90_balance.snake) puts the item of this longest-first ``rank``: its
-    index in the CTA-ordered arrays (the last, partial round went to the first ``rem`` CTAs
-    when the full rounds are even, to the last when odd)."""
+    index in the CTA-ordered arrays."""
     r = rank // NUM_CTAS
     k = rank % NUM_CTAS
     cta = tl.where(r % 2 == 0, k, NUM_CTAS - 1 - k)
-    lead = tl.where(even, tl.minimum(cta, rem), tl.maximum(cta - (NUM_CTAS - rem), 0))
-    return cta * rounds + lead + r
+    return cta * rounds + _snake_lead(cta, NUM_CTAS, rem, even) + r
+
+
+@triton.jit
+def _snake_lead(cta, NUM_CTAS: tl.constexpr, rem, even):
+    """How many of the last, partial round's ``rem`` items go to CTAs before ``cta`` (one each):
+    the first ``rem`` CTAs took them when the full rounds are even, the last when odd."""
+    return tl.where(even, tl.minimum(cta, rem), tl.maximum(cta - (NUM_CTAS - rem), 0))
+
+
+@triton.jit
+def _store_snake_ranges(dst_ptr, NUM_CTAS: tl.constexpr, CPAD: tl.constexpr, rounds, rem, even):
+    """The snake's CTA ranges (work_indptr, NUM_CTAS + 1 entries) at ``dst_ptr``: ``rounds``
+    items each, one more for the CTAs that took the last, partial round (as :func:`_snake_pos`)."""
+    c = tl.arange(0, CPAD)
+    tl.store(dst_ptr + c, c * rounds + _snake_lead(c, NUM_CTAS, rem, even), mask=c <= NUM_CTAS)
 
 
 @triton.jit
@@ -124,8 +137,7 @@ def _deal_kernel(
                     tl.store(dst_ptr + f * CAP + pos, v, mask=m)
                 b = tl.load(src_ptr + BATCH + i, mask=m)
                 tl.store(dst_ptr + BATCH + pos, b, mask=m)
-            lead = tl.where(even, tl.minimum(c, rem), tl.maximum(c - (NUM_CTAS - rem), 0))
-            tl.store(dst_ptr + WI + c, c * rounds + lead, mask=c <= NUM_CTAS)
+            _store_snake_ranges(dst_ptr + WI, NUM_CTAS, CPAD, rounds, rem, even)
 
 
 @triton.jit
@@ -195,9 +207,7 @@ def _plan_kernel(
             tl.store(dst_ptr + 4 * CAP + pos, length, mask=m)
             tl.store(dst_ptr + 5 * CAP + pos, head, mask=m)
             tl.store(dst_ptr + BATCH + pos, req, mask=m)
-        c = tl.arange(0, CPAD)
-        lead = tl.where(even, tl.minimum(c, rem), tl.maximum(c - (NUM_CTAS - rem), 0))
-        tl.store(dst_ptr + WI + c, c * rounds + lead, mask=c <= NUM_CTAS)
+        _store_snake_ranges(dst_ptr + WI, NUM_CTAS, CPAD, rounds, rem, even)
 
 
 def plan(
