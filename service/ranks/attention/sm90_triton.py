@@ -35,28 +35,33 @@ BLOCK = 64  # items per step of each loop
 
 
 @triton.jit
-def _snake_pos(rank, NUM_CTAS: tl.constexpr, rounds, rem, even):
-    """Where the snake (sm90_balance.snake) puts the item of this longest-first ``rank``: its
-    index in the CTA-ordered arrays."""
+def _snake_pos(rank, n, NUM_CTAS: tl.constexpr):
+    """Where the snake (sm90_balance.snake) puts the item of this longest-first ``rank`` of
+    ``n``: its index in the CTA-ordered arrays."""
     r = rank // NUM_CTAS
     k = rank % NUM_CTAS
     cta = tl.where(r % 2 == 0, k, NUM_CTAS - 1 - k)
-    return cta * rounds + _snake_lead(cta, NUM_CTAS, rem, even) + r
+    return cta * (n // NUM_CTAS) + _snake_lead(cta, n, NUM_CTAS) + r
 
 
 @triton.jit
-def _snake_lead(cta, NUM_CTAS: tl.constexpr, rem, even):
-    """How many of the last, partial round's ``rem`` items go to CTAs before ``cta`` (one each):
-    the first ``rem`` CTAs took them when the full rounds are even, the last when odd."""
+def _snake_lead(cta, n, NUM_CTAS: tl.constexpr):
+    """How many of the last, partial round's items (``n`` mod NUM_CTAS) go to CTAs before
+    ``cta`` (one each): the first CTAs took them when the full rounds are even, the last when
+    odd."""
+    rem = n % NUM_CTAS
+    even = (n // NUM_CTAS) % 2 == 0
     return tl.where(even, tl.minimum(cta, rem), tl.maximum(cta - (NUM_CTAS - rem), 0))
 
 
 @triton.jit
-def _store_snake_ranges(dst_ptr, NUM_CTAS: tl.constexpr, CPAD: tl.constexpr, rounds, rem, even):
-    """The snake's CTA ranges (work_indptr, NUM_CTAS + 1 entries) at ``dst_ptr``: ``rounds``
-    items each, one more for the CTAs that took the last, partial round (as :func:`_snake_pos`)."""
+def _store_snake_ranges(dst_ptr, n, NUM_CTAS: tl.constexpr, CPAD: tl.constexpr):
+    """The snake's CTA ranges of ``n`` items (work_indptr, NUM_CTAS + 1 entries) at ``dst_ptr``:
+    the full rounds' items each, one more for the CTAs that took the last, partial round (as
+    :func:`_snake_pos` places them)."""
     c = tl.arange(0, CPAD)
-    tl.store(dst_ptr + c, c * rounds + _snake_lead(c, NUM_CTAS, rem, even), mask=c <= NUM_CTAS)
+    lead = _snake_lead(c, n, NUM_CTAS)
+    tl.store(dst_ptr + c, c * (n // NUM_CTAS) + lead, mask=c <= NUM_CTAS)
 
 
 @triton.jit
@@ -124,20 +129,17 @@ def _deal_kernel(
             tl.load(loads + CPAD + c, mask=live_cta, other=0, cache_modifier=".cg"), axis=0
         )
         if new_max < old_max:
-            rounds = n // NUM_CTAS
-            rem = n % NUM_CTAS
-            even = rounds % 2 == 0
             for s in range(0, n, BLOCK):
                 i = s + tl.arange(0, BLOCK)
                 m = i < n
                 rank = tl.load(tmp_ptr + CAP + i, mask=m, other=0, cache_modifier=".cg")
-                pos = _snake_pos(rank, NUM_CTAS, rounds, rem, even)
+                pos = _snake_pos(rank, n, NUM_CTAS)
                 for f in range(6):
                     v = tl.load(src_ptr + f * CAP + i, mask=m)
                     tl.store(dst_ptr + f * CAP + pos, v, mask=m)
                 b = tl.load(src_ptr + BATCH + i, mask=m)
                 tl.store(dst_ptr + BATCH + pos, b, mask=m)
-            _store_snake_ranges(dst_ptr + WI, NUM_CTAS, CPAD, rounds, rem, even)
+            _store_snake_ranges(dst_ptr + WI, n, NUM_CTAS, CPAD)
 
 
 @triton.jit
@@ -170,9 +172,6 @@ def _plan_kernel(
     per_head = tl.sum(tiles, axis=0)
     n = HEADS * per_head
     if n <= CAP:  # the host checks it too; a plan past the arrays is left as it was
-        rounds = n // NUM_CTAS
-        rem = n % NUM_CTAS
-        even = rounds % 2 == 0
         for b in range(0, n, BLOCK):
             j = b + tl.arange(0, BLOCK)
             m = j < n
@@ -199,7 +198,7 @@ def _plan_kernel(
                 + head * tl.sum(same, axis=1)
                 + tl.sum(tl.where(s[None, :] < req[:, None], same, 0), axis=1)
             )
-            pos = _snake_pos(rank, NUM_CTAS, rounds, rem, even)
+            pos = _snake_pos(rank, n, NUM_CTAS)
             tl.store(dst_ptr + pos, tile, mask=m)
             tl.store(dst_ptr + CAP + pos, q0, mask=m)
             tl.store(dst_ptr + 2 * CAP + pos, q0, mask=m)
@@ -207,7 +206,7 @@ def _plan_kernel(
             tl.store(dst_ptr + 4 * CAP + pos, length, mask=m)
             tl.store(dst_ptr + 5 * CAP + pos, head, mask=m)
             tl.store(dst_ptr + BATCH + pos, req, mask=m)
-        _store_snake_ranges(dst_ptr + WI, NUM_CTAS, CPAD, rounds, rem, even)
+        _store_snake_ranges(dst_ptr + WI, n, NUM_CTAS, CPAD)
 
 
 def plan(
