@@ -62,6 +62,25 @@ def _module_timer(runner: Any, bucket: int) -> tuple[list[int], Callable[[], Non
     return samples, restore
 
 
+def _timer(obj: Any, name: str) -> tuple[list[int], Callable[[], None]]:
+    """Wrap ``obj.name`` (an instance attribute set over its bound method) to time each call;
+    the samples (ns) and the undo. Nothing wrapped where ``obj`` is None."""
+    samples: list[int] = []
+    if obj is None or not hasattr(obj, name):
+        return samples, lambda: None
+    inner = getattr(obj, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t = ns()
+        try:
+            return inner(*a, **k)
+        finally:
+            samples.append(ns() - t)
+
+    setattr(obj, name, timed)
+    return samples, lambda: delattr(obj, name)
+
+
 def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[str, float] | None:
     """Median host microseconds of each step of ``runner``'s replay of ``bucket`` over
     ``batch``; ``None`` for a runner without a replay tape (``full``, eager)."""
@@ -77,14 +96,27 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
         "attention" if i in at else ("graph" if op in launchers else "copy")
         for i, op in enumerate(tape._tail)
     ]
-    module_ns, restore = _module_timer(runner, bucket)
+    module_ns, restore_module = _module_timer(runner, bucket)
+    planned = getattr(runner.attention, "planned", None)
+    # the plan step's parts: the replans (prepare) and, inside them, the device planner's
+    # Triton launch (SM90Rebalance._queue_plan); the rest is the launchers' lookup
+    prepare_ns, restore_prepare = _timer(planned, "prepare")
+    launch_ns, restore_launch = _timer(getattr(planned, "balance", None), "_queue_plan")
+
+    def restore() -> None:
+        restore_module()
+        restore_prepare()
+        restore_launch()
+
     rows: dict[str, list[float]] = {k: [] for k in (
-        "load_us", "head_us", "plan_us", "plan_module_us", "attention_launch_us",
-        "graph_launch_us", "copy_us", "first_attention_us", "total_us")}  # fmt: skip
+        "load_us", "head_us", "plan_us", "plan_module_us", "prepare_us", "planner_launch_us",
+        "attention_launch_us", "graph_launch_us", "copy_us", "first_attention_us",
+        "total_us")}  # fmt: skip
     try:
         for _ in range(iters + 2):
             sync()
-            module_ns.clear()
+            for kept in (module_ns, prepare_ns, launch_ns):
+                kept.clear()
             per: dict[str, list[int]] = {"attention": [], "graph": [], "copy": []}
             t0 = ns()
             view = runner.attention.load(runner.buffers, batch, bucket)
@@ -115,6 +147,8 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
             rows["head_us"].append((t2 - t1) / 1e3)
             rows["plan_us"].append((t3 - t2) / 1e3)
             rows["plan_module_us"].append(sum(module_ns) / 1e3 if module_ns else float("nan"))
+            rows["prepare_us"].append(sum(prepare_ns) / 1e3 if prepare_ns else float("nan"))
+            rows["planner_launch_us"].append(sum(launch_ns) / 1e3 if launch_ns else float("nan"))
             rows["first_attention_us"].append((first or 0) / 1e3)
             rows["total_us"].append((t4 - t0) / 1e3)
             for kind in ("attention", "graph", "copy"):
@@ -130,6 +164,7 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
 
 
 HEADER = (f"{'backend':>13} {'bucket':>6} {'load':>6} {'head':>6} {'plan':>6} {'module':>7} "
+          f"{'prepare':>7} {'planner':>7} "
           f"{'1st attn':>8} {'attn':>6} {'graph':>6} {'total':>7}")  # fmt: skip
 
 
@@ -139,5 +174,6 @@ def row(backend: str, bucket: int, s: dict[str, float]) -> str:
         return f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
 
     return (f"{backend:>13} {bucket:>6} {f('load_us')} {f('head_us')} {f('plan_us')} "
-            f"{f('plan_module_us', 7)} {f('first_attention_us', 8)} {f('attention_launch_us')} "
+            f"{f('plan_module_us', 7)} {f('prepare_us', 7)} {f('planner_launch_us', 7)} "
+            f"{f('first_attention_us', 8)} {f('attention_launch_us')} "
             f"{f('graph_launch_us')} {f('total_us', 7)}")  # fmt: skip
