@@ -168,3 +168,52 @@ def test_a_plan_made_on_the_device_skips_the_module_call_after_the_indptr_copy()
     r(np.array([8, 8, 0, 0]))  # declined: FlashInfer's module schedules it
     assert r.fast and len(w.scheduled) == 3
     assert w.scheduled[-1] == (offsets([8, 8, 0, 0]), [8, 8, 0, 0])
+
+
+def test_a_plan_replayed_as_one_graph_copies_nothing_itself_and_waits_before_the_next():
+    """A segment backend's plan replayed as one graph (sm90_schedule's replay_plan: the copy of
+    the replan's host indptrs and the planner): the replan makes neither its own copy nor the
+    module call nor the per-plan planner launch, yet the host rows the graph copies from hold
+    this batch's layout when it is asked, and the next plan waits on the mark recorded after
+    it (the graph reads those rows when it runs). A declined plan copies and plans as before."""
+    indptrs = torch.zeros(2, S + 1, dtype=torch.int32)
+    w = Wrapper(indptrs)
+    asked: list[list[int]] = []
+    launched: list[list[int]] = []
+
+    def graph_plan(lengths: np.ndarray) -> bool:
+        # what the captured copy will read: this batch's rows, in the replan's own host buffer
+        assert r.host_indptrs.tolist() == [offsets(lengths.tolist())] * 2
+        asked.append(lengths.tolist())
+        return int(lengths.sum()) <= 64  # stands in for "the items fit the arrays"
+
+    def device_plan(lengths: np.ndarray) -> bool:
+        launched.append(lengths.tolist())
+        return False
+
+    r = RaggedReplan(w, indptrs, lambda qo: w.plan(qo, qo), device_plan=device_plan,
+                     graph_plan=graph_plan)  # fmt: skip
+
+    class Event:
+        def __init__(self):
+            self.recorded = self.waits = 0
+
+        def record(self):
+            self.recorded += 1
+
+        def synchronize(self):
+            self.waits += 1
+
+    r._copied = event = Event()
+    r(np.array([40, 24, 0, 0]))  # the first plan: FlashInfer's, recorded
+    assert asked == [] and len(w.scheduled) == 2
+    before = indptrs.clone()
+    r(np.array([30, 20, 10, 0]))
+    assert r.fast and asked == [[30, 20, 10, 0]] and launched == []
+    assert len(w.scheduled) == 2  # no module call
+    assert torch.equal(indptrs, before)  # no copy of the replan's own: the graph makes it
+    assert event.recorded == 2 and w._plan_info == w.info
+    r(np.array([50, 40, 0, 0]))  # declined (too many items): copied, launched, module call
+    assert r.fast and asked[-1] == [50, 40, 0, 0] and launched == [[50, 40, 0, 0]]
+    assert indptrs.tolist() == [offsets([50, 40, 0, 0])] * 2 and len(w.scheduled) == 3
+    assert event.waits == 2  # each later plan waited for the previous one's reads

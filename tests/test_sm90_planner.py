@@ -164,3 +164,41 @@ def test_an_untrusted_planner_or_another_backend_leaves_planning_to_flashinfer(p
     w._backend = "fa2"
     assert not balance.plan(w, 12, 128, _indptr(lens), np.array(lens))
     assert planner.launches == 0
+
+
+def test_a_replayed_planner_graph_plans_every_batch_that_fits_the_arrays(planner):
+    """A segment backend's plans replayed as one captured graph (capture_plan: the replan's
+    indptr copy, then the planner): taken at any item count, one item per CTA included (one
+    graph launch costs less host time than FlashInfer's plan), never where the items exceed the
+    arrays or no graph was captured for the wrapper's present layout; never captured off CUDA.
+    The stand-in graph replays what capture_plan records: the copy, then the planner."""
+    theirs, their_wi = flashinfer_items([2048], 12, H100_SMS)
+    w = fake_wrapper(theirs, their_wi, spare=300)
+    balance = _trusted()
+    indptrs = torch.zeros(2, 4, dtype=torch.int32)
+    src = torch.zeros(2, 4, dtype=torch.int32)
+    assert not balance.capture_plan(w, 12, 128, indptrs, src)  # CPU: no graph
+    assert not balance.replay_plan(w, 12, 128, np.array([1000, 700, 348]))  # none captured
+    got = balance._layout(w, True)
+
+    class Graph:
+        def replay(self) -> None:
+            indptrs.copy_(src)
+            balance._queue_plan(got, 12, 128, indptrs[0])
+
+    balance._plan_graphs[id(w)] = (Graph(), got)
+    for lens, taken in (([1000, 700, 348], True), ([16, 0, 0], True), ([4096, 2048, 0], False)):
+        src[:] = _indptr(lens)  # the replan writes its host rows before asking
+        before = w._int_workspace_buffer.clone()
+        assert balance.replay_plan(w, 12, 128, np.array(lens)) == taken, lens
+        if not taken:
+            assert torch.equal(w._int_workspace_buffer, before)
+            continue
+        ours, wi = device_schedule(w, balance)
+        want = planned(np.array(lens), 12, H100_SMS)
+        assert np.array_equal(ours, want.rows()) and np.array_equal(wi, want.work_indptr), lens
+    assert balance.device_plans == planner.launches == 2
+    w._int_workspace_buffer = w._int_workspace_buffer.clone()  # another layout's buffers
+    assert not balance.replay_plan(w, 12, 128, np.array([16, 0, 0]))
+    balance.forget(w)
+    assert id(w) not in balance._plan_graphs

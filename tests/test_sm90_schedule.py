@@ -227,19 +227,20 @@ def test_the_service_replays_the_dealt_schedule_bit_for_bit(tmp_path):
                 assert (used.balance is not None) == (schedule == "balanced"), backend
                 if used.balance is not None:
                     wrapper = next(x for k, x in used._wrappers.items() if k[2] == "ragged")
-                    _assert_dealt(wrapper, used, backend)
+                    _assert_dealt(wrapper, used, backend, last=[1400, 600])
             finally:
                 e.shutdown()
         for a, b in zip(logits["balanced"], logits["own"], strict=True):
             assert torch.equal(a, b), backend
 
 
-def _assert_dealt(wrapper, attention, backend: str) -> None:
+def _assert_dealt(wrapper, attention, backend: str, last: list[int] | None = None) -> None:
     """The schedule the last replay's attention read (the device int workspace) is the dealt
     one. Where the planner runs (this GPU's probe trusted it), FlashInfer's host plan was
     skipped: the arrays hold sm90_balance.planned's schedule of the slots in the indptr the
     replay read, array for array, its busiest CTA no busier than FlashInfer's heap would have
-    made it, and the planner really ran (captured in `full`'s graph, launched by `breakable`).
+    made it, and the planner really ran (captured in `full`'s graph, replayed by `breakable` as
+    one graph with the indptr copy, which read ``last``'s lengths, the last batch's).
     Else the same items as FlashInfer's last plan (its pinned buffer) with a shorter busiest
     CTA: FlashInfer's copy rewrote the device arrays at that plan, so only a rewrite after it
     (the captured kernel, in `full`) can have left them dealt."""
@@ -253,6 +254,8 @@ def _assert_dealt(wrapper, attention, backend: str) -> None:
     if balance.plans_on_device:
         replan = next(r for r in attention._replans.values() if r.wrapper is wrapper)
         lens = np.diff(replan.indptrs[0].cpu().numpy().astype(np.int64))
+        if last is not None:  # the indptrs the replay read are the last batch's
+            assert lens[lens > 0].tolist() == last, lens
         want = planned(lens, HEADS[0], balance.num_ctas)
         assert np.array_equal(ours, want.rows()), lens
         assert np.array_equal(our_wi, want.work_indptr), backend
@@ -260,8 +263,8 @@ def _assert_dealt(wrapper, attention, backend: str) -> None:
         assert mine <= makespan(item_costs(theirs[:, 0], theirs[:, 3], theirs[:, 4]), their_wi)
         if backend == "full":
             assert balance._captured[id(wrapper)][0] == "plan"
-        else:
-            assert balance.device_plans >= 1, backend
+        else:  # the segment backend's plans: one graph of the indptr copy and the planner
+            assert id(wrapper) in balance._plan_graphs and balance.device_plans >= 1, backend
         return
     costs, their_wi = balance.planned(wrapper, HEADS[2])
     assert mine < makespan(costs, their_wi.astype(np.int64)), backend

@@ -448,11 +448,37 @@ class FlashInferGraphAttention(FlashInferBase):
                         wrapper, shape.num_heads, shape.head_dim, indptr, lengths, self._defer
                     )
 
+            graph_plan = None
+            if device_plan is not None and not self._defer:  # segment backends' replans
+
+                def graph_plan(lengths: np.ndarray) -> bool:
+                    return self.balance.replay_plan(
+                        wrapper, shape.num_heads, shape.head_dim, lengths
+                    )
+
             got = self._replans[key] = RaggedReplan(
                 wrapper, bufs.indptrs, plan,
                 after=lambda same: self._balanced(wrapper, shape, same), device_plan=device_plan,
+                graph_plan=graph_plan,
             )  # fmt: skip
         return got
+
+    def capture_plan_graphs(self, bucket: int) -> int:
+        """After the first ragged plans of ``bucket`` (a segment backend's capture): each head
+        shape's later plans captured as one graph of the indptr copy and the device planner
+        (SM90Rebalance.capture_plan); how many were: none for ``full`` (its graph holds the
+        planner) or where the planner does not run."""
+        if self.balance is None or not self.balance.plans_on_device or self._defer:
+            return 0
+        made = 0
+        for shape in self.head_shapes:
+            replan = self._replans.get((bucket, shape))
+            if replan is not None and self.balance.capture_plan(
+                replan.wrapper, shape.num_heads, shape.head_dim, replan.indptrs,
+                replan.host_indptrs,
+            ):  # fmt: skip
+                made += 1
+        return made
 
     def graph_prologue(self, bucket: int, variant: str) -> None:
         """The device rewrite of each head shape's plan of ``bucket`` and ``variant``, queued

@@ -44,6 +44,7 @@ class RaggedReplan:
         plan: Callable[[torch.Tensor], None],
         after: Callable[[bool], object] | None = None,
         device_plan: Callable[[np.ndarray], bool] | None = None,
+        graph_plan: Callable[[np.ndarray], bool] | None = None,
     ) -> None:
         self.wrapper = wrapper
         self.indptrs = indptrs
@@ -56,6 +57,10 @@ class RaggedReplan:
         # FA3's schedule dealt from the lengths), told this plan's slot lengths after the indptr
         # copy is queued: False where it did not plan, and the module call plans as before
         self._device_plan = device_plan
+        # a later plan made by one graph launch that copies this replan's host indptrs
+        # (host_indptrs) to the device and plans there (sm90_schedule's replay_plan), told this
+        # plan's slot lengths before anything is copied: False where it did not
+        self._graph_plan = graph_plan
         self._call: Callable[[], Any] | None = None  # the module's plan, arguments bound
         self._info: Any = None  # the first plan's info, as the module returned it
         self._recorded = False  # the first plan was made, its module call recorded if it could
@@ -99,6 +104,10 @@ class RaggedReplan:
             if self._after is not None:
                 self._after(False)
             return
+        if self._graph_plan is not None and self._graph_plan(lengths):
+            self._mark_copied()  # the graph's copy reads our buffer
+            self.fast = True
+            return
         self.indptrs.copy_(both, non_blocking=True)  # the buffers the captured kernels read
         if self._device_plan is not None and self._device_plan(lengths):
             # the schedule is written on the device from those buffers; the plan info and every
@@ -123,6 +132,12 @@ class RaggedReplan:
         self.fast = True
         if self._after is not None:
             self._after(True)
+
+    @property
+    def host_indptrs(self) -> torch.Tensor:
+        """The (2, S+1) int32 host rows each plan writes (pinned on CUDA) and copies into
+        ``indptrs``: a graph that copies them reads them at its replay."""
+        return self._both
 
     def _mark_copied(self) -> None:
         if self._copied is not None:

@@ -113,6 +113,9 @@ class SM90Rebalance:
         # id(wrapper) -> the kernel captured for it in ``full``'s graph ("deal" or "plan") and
         # the layout it was recorded for
         self._captured: dict[int, tuple[str, Placed]] = {}
+        # id(wrapper) -> a segment backend's plan of it as one CUDA graph (the replan's indptr
+        # copy, then the planner) and the layout it was captured for (capture_plan)
+        self._plan_graphs: dict[int, tuple[torch.cuda.CUDAGraph, Placed]] = {}
         # id(wrapper) -> (plan info, its pinned and device int buffers, its placed layout or None)
         self._layouts: dict[int, tuple[Any, torch.Tensor, torch.Tensor, Placed | None]] = {}
         self._stage = torch.empty(0, dtype=torch.int32)
@@ -241,6 +244,65 @@ class SM90Rebalance:
             self._captured[id(wrapper)] = ("plan", got)
         return True
 
+    def capture_plan(
+        self, wrapper: Any, heads: int, head_dim: int, indptrs: torch.Tensor, src: torch.Tensor
+    ) -> bool:
+        """Capture a segment backend's later plans of ``wrapper`` (a CUDA-graph ragged wrapper,
+        planned once through FlashInfer, outside any capture) as one small CUDA graph: the copy
+        of ``src`` (the replan's pinned host indptrs, (2, S+1) int32, rewritten before each plan)
+        into ``indptrs`` (the device rows the kernels read), then the planner. Why: launched
+        one by one after a segment's graph launch, the copy and the planner's Triton launch cost
+        the host 260-400 us before the first attention on an H100 (docs/benchmarks.md, session
+        48), with the device idle; one graph launch is a few us, which also makes the planner
+        cheaper than FlashInfer's host plan at any item count (:meth:`replay_plan`). False
+        where the planner is not trusted, the plan is not an SM90 layout, or the capture
+        failed (logged; the planner is then launched as before)."""
+        got = self._plannable(wrapper)
+        if got is None or self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return False
+        if src.device.type != "cpu" or not src.is_pinned() or src.shape != indptrs.shape:
+            raise ValueError("the planner graph copies from pinned host rows shaped as indptrs")
+        # once eagerly first, so that triton has built the kernel for these slots before the
+        # capture: it plans the indptrs the first plan copied (the same items, snake-dealt)
+        self._queue_plan(got, heads, head_dim, indptrs[0])
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    indptrs.copy_(src, non_blocking=True)  # read from src at each replay
+                    self._queue_plan(got, heads, head_dim, indptrs[0])
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            log.warning("planner graph not captured (%s); the planner is launched per plan", exc)
+            return False
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._plan_graphs[id(wrapper)] = (graph, got)
+        return True
+
+    def replay_plan(self, wrapper: Any, heads: int, head_dim: int, lengths: np.ndarray) -> bool:
+        """Plan ``wrapper`` for request slots of these query ``lengths`` by replaying the graph
+        :meth:`capture_plan` made of it: the indptr copy and the planner, whatever the item
+        count (one graph launch costs the host less than FlashInfer's plan even at one item per
+        CTA, where the snake's schedule is as short as FlashInfer's). True where it did; False
+        where no graph was captured for this layout or the items exceed the arrays, and the
+        caller copies and plans as before."""
+        kept = self._plan_graphs.get(id(wrapper))
+        if kept is None:
+            return False
+        graph, got = kept
+        if self._plannable(wrapper) is not got:
+            return False
+        if item_count(lengths, heads, tile_rows(head_dim)) > got[0].capacity:
+            return False
+        graph.replay()
+        self.device_plans += 1
+        return True
+
     def _plannable(self, wrapper: Any) -> Placed | None:
         """The layout the planner writes for ``wrapper`` (its first plan's: graph wrappers keep
         it), or None where the planner is not trusted or the plan is not an SM90 layout."""
@@ -355,7 +417,7 @@ class SM90Rebalance:
 
     def forget(self, wrapper: Any) -> None:
         """Drop what is kept for ``wrapper`` (its bucket's graphs are gone)."""
-        for kept in (self._layouts, self._scratch, self._captured):
+        for kept in (self._layouts, self._scratch, self._captured, self._plan_graphs):
             kept.pop(id(wrapper), None)
 
     def _wait(self) -> None:

@@ -35,6 +35,8 @@ class SegmentAttention:
         if self.planned is not None:
             self.planned.prepare(buffers.load_synthetic(real, bucket, self.num_slots), bucket,
                                  "ragged")  # fmt: skip
+            # later plans: one graph launch (indptr copy + device planner) where it runs
+            self.planned.capture_plan_graphs(bucket)
 
     def forget(self, bucket: int) -> None:
         if self.planned is not None:
