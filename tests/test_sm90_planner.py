@@ -168,9 +168,10 @@ def test_an_untrusted_planner_or_another_backend_leaves_planning_to_flashinfer(p
 
 def test_a_replayed_planner_graph_plans_every_batch_that_fits_the_arrays(planner):
     """A segment backend's plans replayed as one captured graph (capture_plan: the replan's
-    indptr copy, then the planner): taken at any item count, one item per CTA included (one
-    graph launch costs less host time than FlashInfer's plan), never where the items exceed the
-    arrays or no graph was captured for the wrapper's present layout; never captured off CUDA.
+    indptr copy, then the planner): taken where a plan has more items than CTAs, as the
+    launched planner is; never at one item per CTA (FlashInfer plans it as well, and the
+    planner's kernel would only delay the first attention), where the items exceed the arrays
+    or where no graph was captured for the wrapper's present layout; never captured off CUDA.
     The stand-in graph replays what capture_plan records: the copy, then the planner."""
     theirs, their_wi = flashinfer_items([2048], 12, H100_SMS)
     w = fake_wrapper(theirs, their_wi, spare=300)
@@ -187,7 +188,8 @@ def test_a_replayed_planner_graph_plans_every_batch_that_fits_the_arrays(planner
             balance._queue_plan(got, 12, 128, indptrs[0])
 
     balance._plan_graphs[id(w)] = (Graph(), got)
-    for lens, taken in (([1000, 700, 348], True), ([16, 0, 0], True), ([4096, 2048, 0], False)):
+    for lens, taken in (([1000, 700, 348], True), ([16, 0, 0], False), ([4096, 2048, 0], False),
+                        ([1500, 0, 500], True)):  # fmt: skip
         src[:] = _indptr(lens)  # the replan writes its host rows before asking
         before = w._int_workspace_buffer.clone()
         assert balance.replay_plan(w, 12, 128, np.array(lens)) == taken, lens
@@ -199,6 +201,6 @@ def test_a_replayed_planner_graph_plans_every_batch_that_fits_the_arrays(planner
         assert np.array_equal(ours, want.rows()) and np.array_equal(wi, want.work_indptr), lens
     assert balance.device_plans == planner.launches == 2
     w._int_workspace_buffer = w._int_workspace_buffer.clone()  # another layout's buffers
-    assert not balance.replay_plan(w, 12, 128, np.array([16, 0, 0]))
+    assert not balance.replay_plan(w, 12, 128, np.array([1000, 700, 348]))
     balance.forget(w)
     assert id(w) not in balance._plan_graphs

@@ -253,8 +253,7 @@ class SM90Rebalance:
         into ``indptrs`` (the device rows the kernels read), then the planner. Why: launched
         one by one after a segment's graph launch, the copy and the planner's Triton launch cost
         the host 260-400 us before the first attention on an H100 (docs/benchmarks.md, session
-        48), with the device idle; one graph launch is a few us, which also makes the planner
-        cheaper than FlashInfer's host plan at any item count (:meth:`replay_plan`). False
+        48), with the device idle; one graph launch is a few us (:meth:`replay_plan`). False
         where the planner is not trusted, the plan is not an SM90 layout, or the capture
         failed (logged; the planner is then launched as before)."""
         got = self._plannable(wrapper)
@@ -286,18 +285,21 @@ class SM90Rebalance:
 
     def replay_plan(self, wrapper: Any, heads: int, head_dim: int, lengths: np.ndarray) -> bool:
         """Plan ``wrapper`` for request slots of these query ``lengths`` by replaying the graph
-        :meth:`capture_plan` made of it: the indptr copy and the planner, whatever the item
-        count (one graph launch costs the host less than FlashInfer's plan even at one item per
-        CTA, where the snake's schedule is as short as FlashInfer's). True where it did; False
-        where no graph was captured for this layout or the items exceed the arrays, and the
-        caller copies and plans as before."""
+        :meth:`capture_plan` made of it: the indptr copy and the planner. True where it did;
+        False where no graph was captured for this layout, the items exceed the arrays, or there
+        is at most one item per CTA (FlashInfer's plan, as before), and the caller copies and
+        plans as before."""
         kept = self._plan_graphs.get(id(wrapper))
         if kept is None:
             return False
         graph, got = kept
         if self._plannable(wrapper) is not got:
             return False
-        if item_count(lengths, heads, tile_rows(head_dim)) > got[0].capacity:
+        n = item_count(lengths, heads, tile_rows(head_dim))
+        # at most one item per CTA FlashInfer's plan is as short, and taking the planner there
+        # put its kernel in front of the first attention for nothing: `breakable` at 256 tokens
+        # ran 0.5-1.5% slower on an H100 (docs/benchmarks.md, session 48)
+        if n > got[0].capacity or n <= self.num_ctas:
             return False
         graph.replay()
         self.device_plans += 1
