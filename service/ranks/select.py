@@ -247,10 +247,15 @@ def choose_prefill_schedule(
     1-3% faster at 2,048 tokens but 1-17% slower at 16-1,024, where the launch was pure cost.
     The launch is now skipped where the plan has at most one item per CTA: in session 46 the
     same kernels and device time as the own schedule there, but `breakable` still 1-4% slower
-    at 16-1,024 tokens in both of two alternating rounds (2-3% faster at 2,048). Until a longer
-    A/B settles that, they keep the kernel's own schedule. (Session 47: where the balanced
-    schedule runs, plans with more items than CTAs are written by the device planner instead,
-    FlashInfer's host plan skipped; below that nothing changed, so neither did this choice.)
+    at 16-1,024 tokens in both of two alternating rounds (2-3% faster at 2,048). (Session 47:
+    where the balanced schedule runs, plans with more items than CTAs are written by the device
+    planner instead, FlashInfer's host plan skipped; session 48: the segment backends replay the
+    indptr copy and the planner as one small graph.) Session 48's A/B on an H100, three calls,
+    either arm first: balanced 1.7-4.1% faster at 2,048 tokens in 6 of 6 pairs, but 4-14%
+    slower at 16-256 in 7 of 8 (2.5-2.9% at 1,024), with the same kernels and device busy time
+    there; the profiles show every host step of those processes slower, the ones before any
+    plan included, and the cause is not found. So the segment backends keep the kernel's own
+    schedule (``--prefill-schedule balanced`` asks for it where 2,048 tokens and up matter).
 
     ``device_rewrite_error``: the start-up probe of the device rewrite (service.ranks.attention.
     sm90_schedule.device_rewrite_error), run only where ``auto`` would deal again: where it
@@ -287,9 +292,9 @@ def choose_prefill_schedule(
     if blocker is None:
         return BackendChoice(
             "own",
-            f"auto: FlashInfer's schedule for prefill backend {prefill_backend}: dealt again "
-            "after each plan, it was faster from 2,048 tokens but 1-4% slower below on the "
-            f"H200 (ask for it with {flag} balanced)",
+            f"auto: FlashInfer's schedule for prefill backend {prefill_backend}: the balanced "
+            "one was 2-4% faster at 2,048 tokens but 4-14% slower at 16-256 on an H100 "
+            f"(ask for it with {flag} balanced)",
         )
     return BackendChoice("own", f"auto: {blocker}")
 
