@@ -251,11 +251,12 @@ def choose_prefill_schedule(
     where the balanced schedule runs, plans with more items than CTAs are written by the device
     planner instead, FlashInfer's host plan skipped; session 48: the segment backends replay the
     indptr copy and the planner as one small graph.) Session 48's A/B on an H100, three calls,
-    either arm first: balanced 1.7-4.1% faster at 2,048 tokens in 6 of 6 pairs, but 4-14%
-    slower at 16-256 in 7 of 8 (2.5-2.9% at 1,024), with the same kernels and device busy time
-    there; the profiles show every host step of those processes slower, the ones before any
-    plan included, and the cause is not found. So the segment backends keep the kernel's own
-    schedule (``--prefill-schedule balanced`` asks for it where 2,048 tokens and up matter).
+    either arm first: balanced 1.7-4.1% faster at 2,048 tokens in 6 of 6 pairs, but 2-14%
+    slower at 16-256 in 15 of 16 (-0.2 to +2.9% at 1,024), with the same kernels and device
+    busy time there; the profiles show every host step of those processes slower, the ones
+    before any plan included, and the cause is not found. So the segment backends keep the
+    kernel's own schedule (``--prefill-schedule balanced`` asks for it where 2,048 tokens and up
+    matter).
 
     ``device_rewrite_error``: the start-up probe of the device rewrite (service.ranks.attention.
     sm90_schedule.device_rewrite_error), run only where ``auto`` would deal again: where it
@@ -293,7 +294,7 @@ def choose_prefill_schedule(
         return BackendChoice(
             "own",
             f"auto: FlashInfer's schedule for prefill backend {prefill_backend}: the balanced "
-            "one was 2-4% faster at 2,048 tokens but 4-14% slower at 16-256 on an H100 "
+            "one was 2-4% faster at 2,048 tokens but 2-14% slower at 16-256 on an H100 "
             f"(ask for it with {flag} balanced)",
         )
     return BackendChoice("own", f"auto: {blocker}")
