@@ -251,7 +251,7 @@ def choose_prefill_schedule(
     where the balanced schedule runs, plans with more items than CTAs are written by the device
     planner instead, FlashInfer's host plan skipped; session 48: the segment backends replay the
     indptr copy and the planner as one small graph.) Session 48's A/B on an H100, three calls,
-    either arm first: balanced 1.7-4.1% faster at 2,048 tokens in 6 of 6 pairs, but 2-14%
+    either arm first: balanced 1.6-4.1% faster at 2,048 tokens in 6 of 6 pairs, but 2-14%
     slower at 16-256 in 15 of 16 (-0.2 to +2.9% at 1,024), with the same kernels and device
     busy time there; the profiles show every host step of those processes slower, the ones
     before any plan included, and the cause is not found. So the segment backends keep the
