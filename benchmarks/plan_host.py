@@ -7,6 +7,8 @@ about a millisecond), for:
 - ``own``: RaggedReplan with FlashInfer's module call (the kernel's own schedule);
 - ``deal``: the same, then the schedule dealt again on the device (sm90_schedule's deal kernel);
 - ``planner``: RaggedReplan with the device planner in place of the module call;
+- ``planner graph``: RaggedReplan replaying the indptr copy and the planner as one captured
+  graph (what the segment backends do since session 48);
 - the planner's pieces: the indptr copy alone, ``SM90Rebalance.plan`` alone, the Triton launch
   alone, and the same launch replayed from a CUDA graph.
 
@@ -85,7 +87,7 @@ def main() -> None:
         torch.mm(a, a)
 
     replans = {}
-    for name in ("own", "deal", "planner"):
+    for name in ("own", "deal", "planner", "planner graph"):
         w, bufs, plan = _wrapper(dev)
         after = (lambda same, w=w: balance(w, d, same)) if name != "own" else None
         indptr = bufs.indptrs[0]
@@ -93,9 +95,18 @@ def main() -> None:
         def device_plan(lengths: np.ndarray, w=w, indptr=indptr) -> bool:
             return balance.plan(w, hq, d, indptr, lengths)
 
+        def graph_plan(lengths: np.ndarray, w=w) -> bool:
+            return balance.replay_plan(w, hq, d, lengths)
+
+        planner = name.startswith("planner")
         r = RaggedReplan(w, bufs.indptrs, plan, after=after,
-                         device_plan=device_plan if name == "planner" else None)  # fmt: skip
+                         device_plan=device_plan if planner else None,
+                         graph_plan=graph_plan if name == "planner graph" else None)  # fmt: skip
         r(np.array(LAYOUTS["[2048]"]))  # the capture's plan
+        if name == "planner graph" and not balance.capture_plan(
+            w, hq, d, bufs.indptrs, r.host_indptrs
+        ):
+            print("planner graph: not captured (the planner is not trusted here)")
         replans[name] = (r, w, bufs)
 
     w, bufs = replans["planner"][1], replans["planner"][2]
