@@ -252,7 +252,7 @@ class SM90Rebalance:
         of ``src`` (the replan's pinned host indptrs, (2, S+1) int32, rewritten before each plan)
         into ``indptrs`` (the device rows the kernels read), then the planner. Why: launched
         one by one after a segment's graph launch, the copy and the planner's Triton launch cost
-        the host 260-400 us before the first attention on an H100 (docs/benchmarks.md, session
+        the host 260-410 us before the first attention on an H100 (docs/benchmarks.md, session
         48), with the device idle; one graph launch is a few us (:meth:`replay_plan`). False
         where the planner is not trusted, the plan is not an SM90 layout, or the capture
         failed (logged; the planner is then launched as before)."""
