@@ -200,6 +200,9 @@ def test_a_replayed_planner_graph_plans_every_batch_that_fits_the_arrays(planner
         want = planned(np.array(lens), 12, H100_SMS)
         assert np.array_equal(ours, want.rows()) and np.array_equal(wi, want.work_indptr), lens
     assert balance.device_plans == planner.launches == 2
+    # with the graph there, the launched planner (asked after replay_plan declined) declines too
+    assert not balance.plan(w, 12, 128, _indptr([1000, 700, 348]), np.array([1000, 700, 348]))
+    assert planner.launches == 2
     w._int_workspace_buffer = w._int_workspace_buffer.clone()  # another layout's buffers
     assert not balance.replay_plan(w, 12, 128, np.array([1000, 700, 348]))
     balance.forget(w)

@@ -215,9 +215,15 @@ class SM90Rebalance:
         captured by :meth:`launch_plan`); False where the caller must plan through FlashInfer:
         no trusted planner, not an SM90 layout, more items than the arrays hold, or (not
         deferred) at most one item per CTA, which FlashInfer's plan schedules as well and for
-        less host time than a kernel launch."""
+        less host time than a kernel launch, or a planner graph of this wrapper, whose
+        :meth:`replay_plan` decides instead."""
         got = self._plannable(wrapper)
         if got is None:
+            return False
+        graph = self._plan_graphs.get(id(wrapper))
+        if not defer and graph is not None and graph[1] is got:
+            # the replan asked replay_plan first, which declined this plan on the same checks
+            # (the items' count against the arrays and the CTAs): not counted again
             return False
         n = item_count(lengths, heads, tile_rows(head_dim))
         if n > got[0].capacity:
