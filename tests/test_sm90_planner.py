@@ -104,6 +104,21 @@ def _indptr(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
 
 
+def _check_plans(w, balance, cases, plan) -> None:
+    """For each (lengths, taken): ``plan(lengths)`` says whether the device planned them; where
+    it did, the arrays the attention reads hold the reference's plan of those slots, and where
+    it did not, nothing was written."""
+    for lens, taken in cases:
+        before = w._int_workspace_buffer.clone()
+        assert plan(lens) == taken, lens
+        if not taken:
+            assert torch.equal(w._int_workspace_buffer, before), lens
+            continue
+        ours, wi = device_schedule(w, balance)
+        want = planned(np.array(lens), 12, H100_SMS)
+        assert np.array_equal(ours, want.rows()) and np.array_equal(wi, want.work_indptr), lens
+
+
 def test_the_planner_replaces_flashinfers_plan_only_where_more_items_than_ctas(planner):
     """A wrapper planned once through FlashInfer (its capture's plan, [2048]); later batches
     planned on the device where they hold more items than CTAs: the arrays the attention reads
@@ -114,17 +129,10 @@ def test_the_planner_replaces_flashinfers_plan_only_where_more_items_than_ctas(p
     w = fake_wrapper(theirs, their_wi, spare=300)  # graph wrappers' arrays hold the largest batch
     balance = _trusted()
     pinned = w._pin_memory_int_workspace_buffer.clone()
-    for lens, planned_here in (([1000, 700, 348], True), ([1024, 0, 0], False),
-                               ([4096, 2048, 0], False), ([1500, 0, 500], True)):  # fmt: skip
-        before = w._int_workspace_buffer.clone()
-        got = balance.plan(w, 12, 128, _indptr(lens), np.array(lens))
-        assert got == planned_here, lens
-        if not planned_here:
-            assert torch.equal(w._int_workspace_buffer, before), lens
-            continue
-        ours, wi = device_schedule(w, balance)
-        want = planned(np.array(lens), 12, H100_SMS)
-        assert np.array_equal(ours, want.rows()) and np.array_equal(wi, want.work_indptr)
+    cases = (([1000, 700, 348], True), ([1024, 0, 0], False), ([4096, 2048, 0], False),
+             ([1500, 0, 500], True))  # fmt: skip
+    _check_plans(w, balance, cases,
+                 lambda lens: balance.plan(w, 12, 128, _indptr(lens), np.array(lens)))  # fmt: skip
     assert balance.device_plans == planner.launches == 2
     assert torch.equal(w._pin_memory_int_workspace_buffer, pinned)
 
@@ -188,17 +196,14 @@ def test_a_replayed_planner_graph_plans_every_batch_that_fits_the_arrays(planner
             balance._queue_plan(got, 12, 128, indptrs[0])
 
     balance._plan_graphs[id(w)] = (Graph(), got)
-    for lens, taken in (([1000, 700, 348], True), ([16, 0, 0], False), ([4096, 2048, 0], False),
-                        ([1500, 0, 500], True)):  # fmt: skip
+
+    def replay(lens: list[int]) -> bool:
         src[:] = _indptr(lens)  # the replan writes its host rows before asking
-        before = w._int_workspace_buffer.clone()
-        assert balance.replay_plan(w, 12, 128, np.array(lens)) == taken, lens
-        if not taken:
-            assert torch.equal(w._int_workspace_buffer, before)
-            continue
-        ours, wi = device_schedule(w, balance)
-        want = planned(np.array(lens), 12, H100_SMS)
-        assert np.array_equal(ours, want.rows()) and np.array_equal(wi, want.work_indptr), lens
+        return balance.replay_plan(w, 12, 128, np.array(lens))
+
+    cases = (([1000, 700, 348], True), ([16, 0, 0], False), ([4096, 2048, 0], False),
+             ([1500, 0, 500], True))  # fmt: skip
+    _check_plans(w, balance, cases, replay)
     assert balance.device_plans == planner.launches == 2
     # with the graph there, the launched planner (asked after replay_plan declined) declines too
     assert not balance.plan(w, 12, 128, _indptr([1000, 700, 348]), np.array([1000, 700, 348]))
