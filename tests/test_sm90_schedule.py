@@ -82,30 +82,23 @@ def test_the_rewritten_schedule_runs_every_item_once_with_the_same_output(lens, 
         assert np.array_equal(host, ours) and np.array_equal(host_wi, our_wi)
 
 
-def test_the_start_up_probe_trusts_the_device_rewrite_here():
-    """On sm90 with triton the probe plan is dealt on the device exactly as on the host, so a
-    rank that asks for the balanced schedule deals it on the device."""
-    from service.ranks.attention.sm90_schedule import SM90Rebalance, device_rewrite_error
+@pytest.mark.parametrize(
+    ("probe", "trusted", "what"),
+    [("device_rewrite_error", "on_device", "the device rewrite"),
+     ("device_plan_error", "plans_on_device", "the planner")],
+)  # fmt: skip
+def test_the_start_up_probes_trust_the_device_kernels_here(probe, trusted, what):
+    """On sm90 with triton the probe plan is dealt on the device exactly as on the host, and the
+    planner writes the reference's schedule for the probe's slots, so a rank that asks for the
+    balanced schedule deals and plans it on the device."""
+    from service.ranks.attention import sm90_schedule
 
     if _triton_missing():
-        pytest.skip(f"the device rewrite needs triton: {_triton_missing()}")
+        pytest.skip(f"{what} needs triton: {_triton_missing()}")
     dev = torch.device("cuda")
     num_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
-    assert device_rewrite_error(dev, num_ctas) is None
-    assert SM90Rebalance(dev).on_device
-
-
-def test_the_start_up_probe_trusts_the_device_planner_here():
-    """On sm90 with triton the planner writes the reference's schedule for the probe's slots,
-    so a rank that asks for the balanced schedule plans it on the device."""
-    from service.ranks.attention.sm90_schedule import SM90Rebalance, device_plan_error
-
-    if _triton_missing():
-        pytest.skip(f"the planner needs triton: {_triton_missing()}")
-    dev = torch.device("cuda")
-    num_ctas = torch.cuda.get_device_properties(dev).multi_processor_count
-    assert device_plan_error(dev, num_ctas) is None
-    assert SM90Rebalance(dev).plans_on_device
+    assert getattr(sm90_schedule, probe)(dev, num_ctas) is None
+    assert getattr(sm90_schedule.SM90Rebalance(dev), trusted)
 
 
 @pytest.mark.parametrize("lens", [[2048], [1000, 700, 348], [3000, 0, 1000, 50, 48], [4096]])
