@@ -35,6 +35,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_clocks import ClockSampler
+from benchmarks.host_speed import ThreadWatch, host_speed, speed_line, summary
 from benchmarks.host_steps import HEADER as STEPS_HEADER
 from benchmarks.host_steps import host_steps
 from benchmarks.host_steps import row as steps_row
@@ -445,6 +446,7 @@ def main() -> int:
     captures: dict[str, dict] = {}
     rates = None
     worker = None
+    speeds: dict[str, dict] = {}  # this process's host speed: at start, after each backend
     cuda = torch.cuda.is_available()
     if args.profile is not None and not cuda:
         print(f"--profile {args.profile}: no CUDA device, no kernels to list; not profiled")
@@ -458,6 +460,7 @@ def main() -> int:
             if worker is None:  # one model for all backends: same weights, a runner each
                 worker = RankWorker(set_up_rank(base))
                 rates = device_rates(worker.device, clocks)
+                speeds["start"] = host_speed(worker.device)
             info = worker.info
             plan = graph.plan(
                 context_length=info.context_length,
@@ -529,10 +532,13 @@ def main() -> int:
                         row["eager_host_ms"] = host_ms(eager_step, args.iters)
                     if cuda and b in timeline_buckets:
                         row["eager_timeline"] = timeline(eager_step).to_json()
-                # graph and eager timed alternately, with the SM clock each ran at
+                # graph and eager timed alternately, with the SM clock each ran at; the
+                # scheduler's counters say whether the main thread had its CPU meanwhile
+                watch = ThreadWatch().start()
                 both = paired(
                     {"eager": eager_step, backend: graph_step}, worker.device, args.iters, clocks
                 )
+                row[f"{backend}_threads"] = watch.stop()
                 row[f"{backend}_ms"], row[f"{backend}_mhz"] = both[backend]
                 row[f"{backend}_eager_ms"], row[f"{backend}_eager_mhz"] = both["eager"]
                 row.setdefault("eager_ms", row[f"{backend}_eager_ms"])  # the first backend's
@@ -564,6 +570,7 @@ def main() -> int:
                 row[f"{backend}_maxdiff"] = float((out - refs[b]).abs().max())
                 row[f"{backend}_capture_s"] = round(stat.seconds, 3)
                 row[f"{backend}_capture_mib"] = round(stat.memory_bytes / 2**20, 1)
+            speeds[backend] = host_speed(worker.device)
             worker.runner = worker.eager_runner  # release this backend's graphs
             if worker.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -647,6 +654,14 @@ def main() -> int:
             for be in backends:
                 if f"{be}_host_steps" in rows[b]:
                     print(steps_row(be, b, rows[b][f"{be}_host_steps"]))
+    print("this process's host (benchmarks/host_speed.py), at start and after each backend:")
+    for when, speed in speeds.items():
+        print(f"  {when}: {speed_line(speed)}")
+    print("the main thread while each bucket was timed (graph and eager, scheduler counters):")
+    for b in sorted(rows):
+        for be in backends:
+            if f"{be}_threads" in rows[b]:
+                print(f"  {b:>6} {be[:12]:>12}: {summary(rows[b][f'{be}_threads'])}")
     for be, c in captures.items():
         print(
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "
@@ -677,7 +692,7 @@ def main() -> int:
             Path(args.out).write_text(
                 json.dumps({"rows": [rows[b] for b in sorted(rows)], "captures": captures,
                             "copy_bytes_per_s": rates["copy"], "matmul_flops": rates["matmul"],
-                            "rates": rates,
+                            "rates": rates, "host_speed": speeds,
                             "device": torch.cuda.get_device_name()
                             if worker.device.type == "cuda" else "cpu",
                             "attention": info.attention.to_json(),
