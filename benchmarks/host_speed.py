@@ -107,9 +107,7 @@ def summary(watch: dict, top: int = 3) -> str:
     )
     others = watch["others"][:top]
     if others:
-        line += "; others ran: " + ", ".join(
-            f"{t['name']} {t['on_cpu_ms']:.1f} ms" for t in others
-        )
+        line += "; others ran: " + ", ".join(f"{t['name']} {t['on_cpu_ms']:.1f} ms" for t in others)
     return line
 
 
