@@ -58,17 +58,36 @@ def thread_times() -> dict[int, ThreadTime]:
     return out
 
 
+def steal_ticks() -> dict[str, int]:
+    """{"cpu": all CPUs, "cpuN": one CPU}: the time (USER_HZ ticks) the hypervisor ran something
+    else while this guest's CPU wanted to run (/proc/stat's steal column); {} without it."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        if not line.startswith("cpu"):
+            break
+        f = line.split()
+        if len(f) > 8:
+            out[f[0]] = int(f[8])
+    return out
+
+
 class ThreadWatch:
     """Scheduler counters of every thread between ``start()`` and ``stop()``: the main thread's
     waiting in the run queue and forced switches, and the CPU time every other thread took."""
 
     def __init__(self) -> None:
         self._before: dict[int, ThreadTime] = {}
+        self._steal: dict[str, int] = {}
         self._t0 = 0.0
         self.main = threading.get_native_id()
 
     def start(self) -> ThreadWatch:
         self._before = thread_times()
+        self._steal = steal_ticks()
         self._t0 = time.perf_counter()
         return self
 
@@ -91,8 +110,12 @@ class ThreadWatch:
             elif delta["on_cpu_ms"] >= 0.05:
                 others.append({"name": now.name, "tid": tid, **delta})
         others.sort(key=lambda t: -t["on_cpu_ms"])
+        steal = steal_ticks()
+        stolen = {k: (v - self._steal[k]) * 10.0 for k, v in steal.items() if k in self._steal}
+        worst = max((v for k, v in stolen.items() if k != "cpu"), default=None)
         return {"available": True, "wall_ms": wall * 1e3, "main": main, "others": others,
-                "threads": len(after)}  # fmt: skip
+                "threads": len(after), "steal_ms_all_cpus": stolen.get("cpu"),
+                "steal_ms_max_cpu": worst}  # fmt: skip
 
 
 def summary(watch: dict, top: int = 3) -> str:
@@ -105,6 +128,11 @@ def summary(watch: dict, top: int = 3) -> str:
         f"{m.get('waiting_ms', 0):.1f} ms waiting to run, {m.get('involuntary', 0)} preempted; "
         f"{watch['threads']} threads"
     )
+    if watch.get("steal_ms_all_cpus") is not None:
+        line += (
+            f"; stolen by the hypervisor {watch['steal_ms_all_cpus']:.0f} ms over all CPUs "
+            f"({watch['steal_ms_max_cpu']:.0f} ms on the worst)"
+        )
     others = watch["others"][:top]
     if others:
         line += "; others ran: " + ", ".join(f"{t['name']} {t['on_cpu_ms']:.1f} ms" for t in others)
@@ -126,6 +154,11 @@ def _python_work() -> int:
     for i in range(1000):
         total += i * i
     return total
+
+
+def python_loop_us(reps: int = 5) -> float:
+    """The median µs of the pure-Python loop: about 0.2-0.5 ms of the host's time per call."""
+    return _median_us(_python_work, reps, 1)
 
 
 def host_speed(device: torch.device, reps: int = 30) -> dict:

@@ -35,7 +35,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_clocks import ClockSampler
-from benchmarks.host_speed import ThreadWatch, host_speed, speed_line, summary
+from benchmarks.host_speed import ThreadWatch, host_speed, python_loop_us, speed_line, summary
 from benchmarks.host_steps import HEADER as STEPS_HEADER
 from benchmarks.host_steps import host_steps
 from benchmarks.host_steps import row as steps_row
@@ -114,11 +114,18 @@ MODELS = {"qwen2.5-1.5b": QWEN25_15B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
 
 
 def paired(
-    fns: dict, device: torch.device, iters: int, clocks: ClockSampler, rounds: int = 4
+    fns: dict,
+    device: torch.device,
+    iters: int,
+    clocks: ClockSampler,
+    rounds: int = 4,
+    host_loop: list[float] | None = None,
 ) -> dict:
     """{name: (median ms, mean SM MHz or None)} of each fn, timed in alternating rounds (the
     first fn's share of ``iters``, then the second's, ...), so that clocks or temperature
-    drifting over the run fall on each alike: the fair "graph vs eager" comparison."""
+    drifting over the run fall on each alike: the fair "graph vs eager" comparison.
+    ``host_loop``: filled with the host's pure-Python loop time (µs, host_speed) before each
+    round, so that two processes' timings can be compared at the host speed they ran at."""
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -126,6 +133,8 @@ def paired(
     windows: dict = {name: [] for name in fns}
     per_round = max(1, iters // rounds)
     for _ in range(rounds):
+        if host_loop is not None:
+            host_loop.append(python_loop_us())
         for name, fn in fns.items():
             t0 = time.perf_counter()
             samples[name] += [one_call_ms(fn, device) for _ in range(per_round)]
@@ -534,11 +543,10 @@ def main() -> int:
                         row["eager_timeline"] = timeline(eager_step).to_json()
                 # graph and eager timed alternately, with the SM clock each ran at; the
                 # scheduler's counters say whether the main thread had its CPU meanwhile
-                watch = ThreadWatch().start()
-                both = paired(
-                    {"eager": eager_step, backend: graph_step}, worker.device, args.iters, clocks
-                )
-                row[f"{backend}_threads"] = watch.stop()
+                watch, loops = ThreadWatch().start(), []
+                both = paired({"eager": eager_step, backend: graph_step}, worker.device,
+                              args.iters, clocks, host_loop=loops)  # fmt: skip
+                row[f"{backend}_threads"] = {**watch.stop(), "python_loop_us": loops}
                 row[f"{backend}_ms"], row[f"{backend}_mhz"] = both[backend]
                 row[f"{backend}_eager_ms"], row[f"{backend}_eager_mhz"] = both["eager"]
                 row.setdefault("eager_ms", row[f"{backend}_eager_ms"])  # the first backend's
@@ -661,7 +669,9 @@ def main() -> int:
     for b in sorted(rows):
         for be in backends:
             if f"{be}_threads" in rows[b]:
-                print(f"  {b:>6} {be[:12]:>12}: {summary(rows[b][f'{be}_threads'])}")
+                w = rows[b][f"{be}_threads"]
+                loops = "/".join(f"{v:.0f}" for v in w.get("python_loop_us", []))
+                print(f"  {b:>6} {be[:12]:>12}: loop {loops} us; {summary(w)}")
     for be, c in captures.items():
         print(
             f"capture {be}: {c['num_buckets']} buckets in {c['seconds']} s, "
