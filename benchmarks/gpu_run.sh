@@ -182,6 +182,21 @@ for what in "$@"; do
             ${AB_TIMELINE:+--timeline $AB_TIMELINE} $EXTRA --out "$RES/ab_${tree}_$round.json"
         done
       done ;;
+    pad)
+      # the same process again and again with only the size of its environment changed
+      # (PAD_BYTES: the lengths of a PAD variable, "none": unset; PAD_ARGS: prefill_graphs'
+      # arguments): whether host speed follows where the stack and heap happen to fall, not
+      # the code (session 49: the Python loop 40 against 70-80 us between arms)
+      for n in ${PAD_BYTES:-none 5 16 21 37 64}; do
+        PADENV=(); [ "$n" != none ] && PADENV=(PAD=$(printf 'x%.0s' $(seq "$n")))
+        for arm in ${PAD_ARMS:-own}; do
+          env "${PADENV[@]}" timeout 120 python3 benchmarks/prefill_graphs.py --iters 20 \
+            --backends breakable --buckets "${PAD_BUCKETS:-16,256}" --kernel-count-buckets "" \
+            --prefill-schedule $arm ${PAD_ARGS:-} --out "$RES/pad_${n}_$arm.json" >"$RES/pad_${n}_$arm.txt" 2>&1
+          python3 benchmarks/loop_summary.py "$arm pad $n" "$RES/pad_${n}_$arm.json"
+        done
+      done
+      pack ;;
     planhost)  # one ragged plan's host time: FlashInfer's module, the deal, the device planner
       TAIL=30 step plan_host 200 python3 benchmarks/plan_host.py --iters 300 --out "$RES/plan_host.json" ;;
     launch)  # what a graph launch costs the host, and when the device starts it
