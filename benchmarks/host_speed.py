@@ -77,7 +77,8 @@ def steal_ticks() -> dict[str, int]:
 
 class ThreadWatch:
     """Scheduler counters of every thread between ``start()`` and ``stop()``: the main thread's
-    waiting in the run queue and forced switches, and the CPU time every other thread took."""
+    waiting in the run queue and forced switches, and the CPU time every other thread took
+    (threads alive at ``stop()``: an ended thread's counters leave procfs with it)."""
 
     def __init__(self) -> None:
         self._before: dict[int, ThreadTime] = {}
