@@ -56,8 +56,8 @@ def test_prefill_graphs_runs_every_backend_and_reports_its_kernels(tmp_path):
         for backend in ("full", "breakable", "tc_piecewise"):
             assert row[f"{backend}_ms"] > 0
             assert row[f"{backend}_maxdiff"] < 1e-3  # fp32 on CPU: the replay matches eager
-            # the host's speed beside each timing: one loop per paired round (four), the main thread's
-            # scheduler counters over the window
+            # the host's speed beside each timing: one loop per paired round (four), the main
+            # thread's scheduler counters over the window
             threads = row[f"{backend}_threads"]
             assert len(threads["python_loop_us"]) == 4 and min(threads["python_loop_us"]) > 0
             assert threads["available"] and threads["main"]["on_cpu_ms"] > 0
