@@ -14,7 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.ranks.attention.sm90_balance import item_costs, makespan, rebalanced, snake
+from service.ranks.attention.sm90_balance import (
+    item_costs,
+    item_count,
+    makespan,
+    max_item_count,
+    rebalanced,
+    snake,
+)
 
 H100_SMS = 132
 
@@ -105,6 +112,42 @@ def test_the_snake_deals_each_cta_one_item_a_round(costs, ctas):
     for i in range(ctas):  # each CTA's items longest first
         mine = c[s.order[s.work_indptr[i] : s.work_indptr[i + 1]]]
         assert np.all(np.diff(mine) <= 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 8192), st.integers(1, 16), st.sampled_from([1, 12, 16]),
+    st.sampled_from([128, 192]), st.data(),
+)  # fmt: skip
+def test_no_batch_of_a_bucket_has_more_items_than_its_bound_and_one_batch_has_that_many(
+    tokens, slots, heads, rows, data
+):
+    """The bound that lets a small bucket skip the schedule's work: a wrong one (too low) would
+    leave a plan with more items than CTAs in FlashInfer's schedule, one that is too high would
+    keep the host work for buckets that never need it."""
+    # any slots' lengths (sentinels 0) summing to at most the bucket: gaps between sorted cuts
+    cuts = sorted(data.draw(st.lists(st.integers(0, tokens), min_size=slots, max_size=slots)))
+    lengths = np.diff([0, *cuts])
+    bound = max_item_count(tokens, slots, heads, rows)
+    assert item_count(lengths, heads, rows) <= bound
+    filled = min(slots, tokens)  # the batch that attains it: single rows, the rest in one
+    worst = np.array([1] * (filled - 1) + [tokens - filled + 1])
+    assert item_count(worst, heads, rows) == bound
+
+
+def test_a_rank_skips_the_schedule_only_for_buckets_that_cannot_need_it():
+    """Qwen2.5-1.5B's 12 heads over 8 slots on 132 SMs: up to 512 tokens a plan has at most 132
+    items (an item per CTA: FlashInfer's schedule stands), from 1,024 up some batch has more.
+    Head dim 64 tiles 192 rows, so its buckets reach further."""
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    balance = SM90Rebalance(torch.device("cpu"), num_ctas=132)
+    assert [b for b in (16, 64, 256, 512, 1024, 2048) if balance.may_deal(b, 8, 12, 128)] == [
+        1024,
+        2048,
+    ]
+    assert not balance.may_deal(768, 8, 12, 64) and balance.may_deal(1024, 8, 12, 64)
+    assert balance.may_deal(16, 16, 12, 128)  # 16 single-row requests: 192 items
 
 
 def test_auto_deals_fa3s_schedule_again_for_full_only_and_says_why():

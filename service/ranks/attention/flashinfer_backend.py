@@ -439,12 +439,23 @@ class FlashInferGraphAttention(FlashInferBase):
                     causal=True, sm_scale=shape.scale, **dtypes,
                 )  # fmt: skip
 
+            # a segment backend's bucket whose plans can never have more items than CTAs
+            # (small buckets: the schedule keeps every such plan as FlashInfer made it) is
+            # planned as under FlashInfer's schedule, without the checks after each plan or the
+            # planner's; full's graph holds its kernel whatever the bucket (graph_prologue)
+            balance = self.balance
+            if (
+                balance is not None
+                and not self._defer
+                and not balance.may_deal(bucket, bufs.num_slots, shape.num_heads, shape.head_dim)
+            ):
+                balance = None
             device_plan = None
-            if self.balance is not None and self.balance.plans_on_device:
+            if balance is not None and balance.plans_on_device:
                 indptr = bufs.indptrs[0]
 
                 def device_plan(lengths: np.ndarray) -> bool:
-                    return self.balance.plan(
+                    return balance.plan(
                         wrapper, shape.num_heads, shape.head_dim, indptr, lengths, self._defer
                     )
 
@@ -452,13 +463,16 @@ class FlashInferGraphAttention(FlashInferBase):
             if device_plan is not None and not self._defer:  # segment backends' replans
 
                 def graph_plan(lengths: np.ndarray) -> bool:
-                    return self.balance.replay_plan(
-                        wrapper, shape.num_heads, shape.head_dim, lengths
-                    )
+                    return balance.replay_plan(wrapper, shape.num_heads, shape.head_dim, lengths)
+
+            after = None
+            if balance is not None:
+
+                def after(same: bool) -> None:
+                    self._balanced(wrapper, shape, same)
 
             got = self._replans[key] = RaggedReplan(
-                wrapper, bufs.indptrs, plan,
-                after=lambda same: self._balanced(wrapper, shape, same), device_plan=device_plan,
+                wrapper, bufs.indptrs, plan, after=after, device_plan=device_plan,
                 graph_plan=graph_plan,
             )  # fmt: skip
         return got
@@ -467,13 +481,14 @@ class FlashInferGraphAttention(FlashInferBase):
         """After the first ragged plans of ``bucket`` (a segment backend's capture): each head
         shape's later plans captured as one graph of the indptr copy and the device planner
         (SM90Rebalance.capture_plan); how many were: none for ``full`` (its graph holds the
-        planner) or where the planner does not run."""
+        planner), where the planner does not run, or for a bucket whose plans never have more
+        items than CTAs (planned as FlashInfer plans them)."""
         if self.balance is None or not self.balance.plans_on_device or self._defer:
             return 0
         made = 0
         for shape in self.head_shapes:
             replan = self._replans.get((bucket, shape))
-            if replan is not None and self.balance.capture_plan(
+            if replan is not None and replan.plans_on_device and self.balance.capture_plan(
                 replan.wrapper, shape.num_heads, shape.head_dim, replan.indptrs,
                 replan.host_indptrs,
             ):  # fmt: skip

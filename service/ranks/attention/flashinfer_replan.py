@@ -134,6 +134,12 @@ class RaggedReplan:
             self._after(True)
 
     @property
+    def plans_on_device(self) -> bool:
+        """Whether a later plan may be made on the device (a planner or its graph) instead of
+        the module call."""
+        return self._device_plan is not None or self._graph_plan is not None
+
+    @property
     def host_indptrs(self) -> torch.Tensor:
         """The (2, S+1) int32 host rows each plan writes (pinned on CUDA) and copies into
         ``indptrs``: a graph that copies them reads them at its replay."""

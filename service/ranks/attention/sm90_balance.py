@@ -123,6 +123,15 @@ def item_count(lengths: np.ndarray, heads: int, rows: int = CTA_TILE_Q) -> int:
     return heads * int((-(-np.asarray(lengths, dtype=np.int64) // rows)).sum())
 
 
+def max_item_count(num_tokens: int, num_slots: int, heads: int, rows: int = CTA_TILE_Q) -> int:
+    """The most work items (:func:`item_count`) any plan of at most ``num_tokens`` query rows over
+    ``num_slots`` request slots can make: each filled slot's first row opens a tile and every
+    ``rows`` more open another, so the count is largest with as many requests as slots and rows
+    allow, all but one of a single row (attained: ``item_count`` of that batch is this bound)."""
+    filled = min(num_slots, num_tokens)
+    return heads * (filled + (num_tokens - filled) // rows)
+
+
 def planned(lengths: np.ndarray, heads: int, num_ctas: int, rows: int = CTA_TILE_Q) -> Planned:
     """The dealt schedule of a prefill without a cached prefix (query and KV ranges equal), from
     its request lengths (sentinel slots: 0): FlashInfer's items (every query tile of every

@@ -29,6 +29,7 @@ from service.ranks.attention.sm90_balance import (
     CTA_TILE_Q,
     item_costs,
     item_count,
+    max_item_count,
     planned,
     rebalanced,
     tile_rows,
@@ -196,6 +197,13 @@ class SM90Rebalance:
             self._pending = True
         self.applied += 1
         return True
+
+    def may_deal(self, num_tokens: int, num_slots: int, heads: int, head_dim: int) -> bool:
+        """Whether some plan of up to ``num_tokens`` query rows over ``num_slots`` request slots
+        can have more items than CTAs (:func:`max_item_count`), the only plans this schedule
+        changes: where none can, a wrapper's plans are FlashInfer's as made, and the checks and
+        the planner graph after each plan would be host time for nothing."""
+        return max_item_count(num_tokens, num_slots, heads, tile_rows(head_dim)) > self.num_ctas
 
     def plan(
         self,
