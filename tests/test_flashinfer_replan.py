@@ -217,3 +217,44 @@ def test_a_plan_replayed_as_one_graph_copies_nothing_itself_and_waits_before_the
     assert r.fast and asked[-1] == [50, 40, 0, 0] and launched == [[50, 40, 0, 0]]
     assert indptrs.tolist() == [offsets([50, 40, 0, 0])] * 2 and len(w.scheduled) == 3
     assert event.waits == 2  # each later plan waited for the previous one's reads
+
+
+class _GraphWrapper:
+    """What FlashInferGraphAttention asks of a CUDA-graph ragged wrapper before any plan."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.kwargs = kwargs
+
+    def reset_workspace_buffer(self, *args: object) -> None:
+        pass
+
+
+def test_a_balanced_segment_bucket_that_cannot_need_the_schedule_replans_as_flashinfer_does():
+    """The balanced schedule's replans of a segment backend: a bucket whose plans can never have
+    more items than CTAs (256 tokens over 8 slots, 12 heads: at most 108 of 132) gets no work
+    after its plans (the replan FlashInfer's schedule would get); 2,048 tokens gets the
+    schedule's pass after each plan; ``full``'s (deferred) replans keep it at every bucket,
+    since its graph holds the kernel."""
+    from service.ranks.attention.flashinfer_backend import (
+        FlashInferGraphAttention,
+        GraphPlanBuffers,
+        HeadShape,
+    )
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    def attention(defer: bool) -> FlashInferGraphAttention:
+        # the object without its constructor (which imports FlashInfer): the fields _replan reads
+        a = object.__new__(FlashInferGraphAttention)
+        a.fi = SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=_GraphWrapper)
+        a.workspace, a.kernel, a.dtype = torch.zeros(8, dtype=torch.uint8), "fa3", torch.bfloat16
+        a.balance = SM90Rebalance(torch.device("cpu"), num_ctas=132)
+        a._defer, a._wrappers, a._replans = defer, {}, {}
+        return a
+
+    shape = HeadShape(12, 2, 128, 128**-0.5)
+    bufs = GraphPlanBuffers.allocate(8, 2048, torch.device("cpu"))
+    segment = attention(defer=False)
+    assert segment._replan(256, shape, bufs)._after is None
+    assert segment._replan(2048, shape, bufs)._after is not None
+    full = attention(defer=True)
+    assert full._replan(256, shape, bufs)._after is not None
