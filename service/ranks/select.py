@@ -252,11 +252,17 @@ def choose_prefill_schedule(
     planner instead, FlashInfer's host plan skipped; session 48: the segment backends replay the
     indptr copy and the planner as one small graph.) Session 48's A/B on an H100, three calls,
     either arm first: balanced 1.6-4.1% faster at 2,048 tokens in 6 of 6 pairs, but 2-14%
-    slower at 16-256 in 15 of 16 (-0.2 to +2.9% at 1,024), with the same kernels and device
-    busy time there; the profiles show every host step of those processes slower, the ones
-    before any plan included, and the cause is not found. So the segment backends keep the
-    kernel's own schedule (``--prefill-schedule balanced`` asks for it where 2,048 tokens and up
-    matter).
+    slower at 16-256 in 15 of 16, with the same kernels and device busy time there. Session 49
+    measured the processes' hosts beside each timing: the slow arm's whole host was slow (a
+    pure-Python loop 60-84 us against 40-47, eager prefill 16-25 ms against 11-13), which the
+    schedule's few checks per plan cannot cost; own-schedule processes were sometimes as slow
+    (one with 5 more bytes of environment: eager 28 ms), balanced ones sometimes as fast, but
+    the balanced ones were slow more often (7 of 9 against 3 of 9), and at 16 tokens balanced
+    was 0.5-9.8% slower in 9 of 9 pairs, 1.9-7.0% faster at 2,048. A segment bucket whose
+    plans can never have more items than CTAs is now planned as FlashInfer plans it (no
+    schedule work at all), not yet measured on a GPU. Until a GPU shows the small buckets even,
+    the segment backends keep the kernel's own schedule (``--prefill-schedule balanced`` asks
+    for it where 2,048 tokens and up matter).
 
     ``device_rewrite_error``: the start-up probe of the device rewrite (service.ranks.attention.
     sm90_schedule.device_rewrite_error), run only where ``auto`` would deal again: where it
@@ -294,7 +300,7 @@ def choose_prefill_schedule(
         return BackendChoice(
             "own",
             f"auto: FlashInfer's schedule for prefill backend {prefill_backend}: the balanced "
-            "one was 2-4% faster at 2,048 tokens but 2-14% slower at 16-256 on an H100 "
+            "one was 2-7% faster at 2,048 tokens but up to 10% slower at 16 on an H100 "
             f"(ask for it with {flag} balanced)",
         )
     return BackendChoice("own", f"auto: {blocker}")
