@@ -17,6 +17,8 @@
 #                                                      # gemm (linear layers alone),
 #                                                      # launch (graph launch cost),
 #                                                      # planhost (a ragged plan's host time),
+#                                                      # schedab (two schedules, one process),
+#                                                      # pad (one process, environments resized),
 #                                                      # attn (FA2 against FA3 prefill),
 #                                                      # rope (rotary + K/V store kernels),
 #                                                      # splitk (split-K GEMM + add-RMSNorm probe),
@@ -197,6 +199,12 @@ for what in "$@"; do
         done
       done
       pack ;;
+    schedab)
+      # two schedules in one process, alternating (benchmarks/schedule_ab.py): SAB_ARMS (default
+      # own,balanced), SAB_BUCKETS, SAB_BACKEND; SAB_ARGS: more arguments
+      TAIL=12 step schedule_ab 300 python3 benchmarks/schedule_ab.py --arms "${SAB_ARMS:-own,balanced}" \
+        --backend "${SAB_BACKEND:-breakable}" --buckets "${SAB_BUCKETS:-16,64,256,1024,2048,4096}" \
+        ${SAB_ARGS:-} --out "$RES/schedule_ab.json" ;;
     planhost)  # one ragged plan's host time: FlashInfer's module, the deal, the device planner
       TAIL=30 step plan_host 200 python3 benchmarks/plan_host.py --iters 300 --out "$RES/plan_host.json" ;;
     launch)  # what a graph launch costs the host, and when the device starts it

@@ -65,6 +65,20 @@ def test_prefill_graphs_runs_every_backend_and_reports_its_kernels(tmp_path):
     assert "this process's host" in proc.stdout
 
 
+def test_schedule_ab_times_two_ranks_of_one_process_and_checks_their_logits_agree(tmp_path):
+    out = tmp_path / "ab.json"
+    proc = run_script("benchmarks/schedule_ab.py", "--tiny", "--arms", "own,own", "--buckets",
+                      "16,64", "--iters", "4", "--rounds", "2", "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["arms"] == ["own#1", "own#2"]  # an A/A run: two ranks, labelled apart
+    assert [r["bucket"] for r in got["rows"]] == [16, 64]
+    for row in got["rows"]:
+        assert row["logits_equal"]  # the same seed, the same weights, the same schedule
+        assert len(row["own#1_samples"]) == len(row["own#2_samples"]) == 4
+        assert row["own#1_ms"] > 0 and len(row["python_loop_us"]) == 2
+
+
 def test_idle_report_splits_saved_calls_into_device_work_and_waiting():
     """The script that docs/benchmarks.md quotes for where the 2,048-token miss lies: it reads
     saved results, so it runs here on a GPU call's own output. A report that lost the busy time

@@ -1,0 +1,138 @@
+"""Two prefill schedules (or any two rank settings) in ONE process, timed alternately.
+
+Why: sessions 48-49 compared the own and balanced schedules across processes, and the processes'
+hosts differed more than the schedules could (the same Python loop 40-47 us in some processes,
+60-99 in others; eager prefill 10-13 ms against 16-28), skewed toward one arm for a reason not
+found. Here both arms live in one process: two ranks set up from the same config but for the
+setting under test (the same seed, so the same random weights), each with its own captured
+graphs of the same buckets, replayed in alternating rounds (the arms' order swapped every round)
+on one host, one clock and one heap. Each arm's replay is checked against the other's logits
+(the schedules keep FlashInfer's work items, so they must agree bit for bit).
+
+    python benchmarks/schedule_ab.py --arms own,balanced --buckets 16,256,2048 --out ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.host_speed import python_loop_us
+from benchmarks.prefill_graphs import QWEN25_15B, real_batch
+from benchmarks.timeline import one_call_ms
+from service.buckets import ResolvedRequestPool, decide_replay, partition_bucket
+from service.capture_result import CaptureStat
+from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
+from service.decode_sizes import DecodePlan
+from service.ranks.startup import set_up_rank
+from service.ranks.worker import RankWorker
+
+
+def arm_worker(base: EngineConfig, schedule: str, buckets: tuple[int, ...]) -> RankWorker:
+    worker = RankWorker(set_up_rank(replace(base, prefill_schedule=schedule)))
+    info = worker.info
+    plan = base.graph.plan(
+        context_length=info.context_length,
+        pool=ResolvedRequestPool(info.max_running_requests),
+        max_prefill_tokens=info.chunked_prefill_size,
+    )
+    worker.build_runners(plan, DecodePlan((), info.max_running_requests))
+    for b in sorted(buckets, reverse=True):
+        stat = worker.capture("prefill", b)
+        if not isinstance(stat, CaptureStat):
+            raise RuntimeError(f"{schedule}: capture of bucket {b} failed: {stat}")
+    worker.plan = plan  # type: ignore[attr-defined]
+    return worker
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arms", default="own,balanced", help="two --prefill-schedule values")
+    ap.add_argument("--backend", default="breakable")
+    ap.add_argument("--buckets", default="16,256,2048")
+    ap.add_argument("--iters", type=int, default=40, help="timed calls per arm and bucket")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tiny", action="store_true", help="the built-in model (CPU smoke test)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    schedules = args.arms.split(",")
+    if len(schedules) != 2:
+        raise SystemExit(f"--arms takes two schedules, not {schedules}")
+    # labels: the schedule, numbered where both arms run the same one (an A/A run)
+    arms = schedules if schedules[0] != schedules[1] else [f"{schedules[0]}#{i}" for i in (1, 2)]
+    buckets = tuple(int(b) for b in args.buckets.split(","))
+    cuda = torch.cuda.is_available()
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "config.json").write_text(json.dumps(QWEN25_15B))
+    base = EngineConfig(
+        model_path=None if args.tiny else str(tmp),
+        load_format="auto" if args.tiny else "random",
+        context_length=2048, max_running_requests=8, chunked_prefill_size=8192,
+        kv_cache_memory_bytes=2 << 30 if cuda else 128 << 20,
+        decode=DecodeGraphConfig(enabled=False), graph=GraphConfig(args.backend, buckets),
+    )  # fmt: skip
+    rows = []
+    with torch.inference_mode():
+        workers = {
+            arm: arm_worker(base, s, buckets) for arm, s in zip(arms, schedules, strict=True)
+        }
+        reasons = {arm: w.info.prefill_schedule.reason for arm, w in workers.items()}
+        for b in buckets:
+            lens = list(partition_bucket(b, base.context_length))
+            steps, outs = {}, {}
+            for arm, w in workers.items():
+                batch = real_batch(w, lens)
+                decision = decide_replay(w.plan, b, len(lens))
+                last = batch.last_token_indices()
+
+                def step(w=w, batch=batch, decision=decision, last=last) -> torch.Tensor:
+                    return w.model.logits(w.runner.run(batch, decision).index_select(0, last))
+
+                steps[arm] = step
+                outs[arm] = step()
+            same = torch.equal(outs[arms[0]], outs[arms[1]])
+            for fn in steps.values():  # warm both
+                for _ in range(3):
+                    fn()
+            samples: dict[str, list[float]] = {arm: [] for arm in arms}
+            loops = []
+            per_round = max(1, args.iters // args.rounds)
+            for r in range(args.rounds):
+                loops.append(python_loop_us())
+                order = arms if r % 2 == 0 else arms[::-1]
+                for arm in order:
+                    device = workers[arm].device
+                    samples[arm] += [one_call_ms(steps[arm], device) for _ in range(per_round)]
+            med = {arm: statistics.median(v) for arm, v in samples.items()}
+            row = {"bucket": b, "requests": len(lens), "logits_equal": same,
+                   "python_loop_us": loops, **{f"{a}_ms": med[a] for a in arms},
+                   **{f"{a}_samples": samples[a] for a in arms}}  # fmt: skip
+            rows.append(row)
+            delta = 100 * (med[arms[1]] / med[arms[0]] - 1)
+            print(
+                f"bucket {b:>5}: {arms[0]} {med[arms[0]]:.3f} ms, {arms[1]} {med[arms[1]]:.3f} ms "
+                f"({delta:+.1f}%), logits equal: {same}, loop {statistics.median(loops):.0f} us",
+                flush=True,
+            )
+            gc.collect()
+    for arm in arms:
+        print(f"{arm}: {reasons[arm]}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            {"rows": rows, "arms": arms, "reasons": reasons, "backend": args.backend,
+             "device": torch.cuda.get_device_name() if cuda else "cpu"}, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
