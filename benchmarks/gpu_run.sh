@@ -182,6 +182,8 @@ for what in "$@"; do
             --iters 20 --backends "${AB_BACKENDS:-breakable,tc_piecewise}" \
             --buckets "${AB_BUCKETS:-16,64,256}" --kernel-count-buckets "${AB_BUCKETS:-16,64,256}" \
             ${AB_TIMELINE:+--timeline $AB_TIMELINE} $EXTRA --out "$RES/ab_${tree}_$round.json"
+          # each process's host speed beside its times: the arms' hosts differ by process
+          python3 benchmarks/loop_summary.py "$tree $round" "$RES/ab_${tree}_$round.json"
         done
       done ;;
     pad)
