@@ -257,12 +257,14 @@ def choose_prefill_schedule(
     pure-Python loop 60-84 us against 40-47, eager prefill 16-25 ms against 11-13), which the
     schedule's few checks per plan cannot cost; own-schedule processes were sometimes as slow
     (one with 5 more bytes of environment: eager 28 ms), balanced ones sometimes as fast, but
-    the balanced ones were slow more often (9 of 13 against 4 of 13), and at 16 tokens balanced
-    was slower in 12 of 13 pairs (-4.8 to +9.8%), 1.9-7.0% faster at 2,048 in 9 of 9. A
-    segment bucket whose plans can never have more items than CTAs is now planned as FlashInfer
-    plans it (no schedule work at all), not yet measured on a GPU. Until a GPU shows the small
-    buckets even, the segment backends keep the kernel's own schedule (``--prefill-schedule
-    balanced`` asks for it where 2,048 tokens and up matter).
+    the balanced ones were slow more often (9 of 13 against 4 of 13, Fisher's p = 0.12; a loop
+    pinned to one vCPU flips between two speeds within a process on these VMs), and at 16 tokens
+    balanced was slower in 12 of 13 pairs (-4.8 to +9.8%), 1.9-7.0% faster at 2,048 in 9 of 9.
+    A segment bucket whose plans can never have more items than CTAs is now planned as
+    FlashInfer plans it (no schedule work at all), not yet measured on a GPU. Until one process
+    holding both schedules (benchmarks/schedule_ab.py) shows the small buckets even on a GPU,
+    the segment backends keep the kernel's own schedule (``--prefill-schedule balanced`` asks
+    for it where 2,048 tokens and up matter).
 
     ``device_rewrite_error``: the start-up probe of the device rewrite (service.ranks.attention.
     sm90_schedule.device_rewrite_error), run only where ``auto`` would deal again: where it
