@@ -1,4 +1,5 @@
-"""Two prefill schedules (or any two rank settings) in ONE process, timed alternately.
+"""Two prefill schedules (or two values of another rank setting) in ONE process, timed
+alternately.
 
 Why: sessions 48-49 compared the own and balanced schedules across processes, and the processes'
 hosts differed more than the schedules could (the same Python loop 40-47 us in some processes,
@@ -10,11 +11,16 @@ on one host, one clock and one heap. Each arm's replay is checked against the ot
 (the schedules keep FlashInfer's work items, so they must agree bit for bit).
 
     python benchmarks/schedule_ab.py --arms own,balanced --buckets 16,256,2048 --out ab.json
+    python benchmarks/schedule_ab.py --field gate_up_kernel --arms triton,torch   # another flag
+
+With ``--field`` other than the schedule the logits are compared but need not be equal (another
+kernel may round differently); the table says whether they were.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -37,9 +43,16 @@ from service.decode_sizes import DecodePlan
 from service.ranks.startup import set_up_rank
 from service.ranks.worker import RankWorker
 
+# EngineConfig field -> the RankInfo choice that reports it
+CHOICES = {
+    "prefill_schedule": "prefill_schedule", "attention_backend": "attention",
+    "fused_kernels": "kernels", "gate_up_kernel": "gate_up", "rope_store_kernel": "rope_store",
+    "splitk_norm_kernel": "splitk_norm",
+}  # fmt: skip
 
-def arm_worker(base: EngineConfig, schedule: str, buckets: tuple[int, ...]) -> RankWorker:
-    worker = RankWorker(set_up_rank(replace(base, prefill_schedule=schedule)))
+
+def arm_worker(base: EngineConfig, field: str, value: str, buckets: tuple[int, ...]) -> RankWorker:
+    worker = RankWorker(set_up_rank(replace(base, **{field: value})))
     info = worker.info
     plan = base.graph.plan(
         context_length=info.context_length,
@@ -50,14 +63,15 @@ def arm_worker(base: EngineConfig, schedule: str, buckets: tuple[int, ...]) -> R
     for b in sorted(buckets, reverse=True):
         stat = worker.capture("prefill", b)
         if not isinstance(stat, CaptureStat):
-            raise RuntimeError(f"{schedule}: capture of bucket {b} failed: {stat}")
+            raise RuntimeError(f"{field}={value}: capture of bucket {b} failed: {stat}")
     worker.plan = plan  # type: ignore[attr-defined]
     return worker
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arms", default="own,balanced", help="two --prefill-schedule values")
+    ap.add_argument("--field", default="prefill_schedule", help="the EngineConfig field to vary")
+    ap.add_argument("--arms", default="own,balanced", help="the field's two values")
     ap.add_argument("--backend", default="breakable")
     ap.add_argument("--buckets", default="16,256,2048")
     ap.add_argument("--iters", type=int, default=40, help="timed calls per arm and bucket")
@@ -67,7 +81,12 @@ def main() -> int:
     args = ap.parse_args()
     schedules = args.arms.split(",")
     if len(schedules) != 2:
-        raise SystemExit(f"--arms takes two schedules, not {schedules}")
+        raise SystemExit(f"--arms takes two values, not {schedules}")
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"graph", "decode"}
+    if args.field not in fields:
+        raise SystemExit(
+            f"--field {args.field!r} is not a flat EngineConfig field: {sorted(fields)}"
+        )
     # labels: the schedule, numbered where both arms run the same one (an A/A run)
     arms = schedules if schedules[0] != schedules[1] else [f"{schedules[0]}#{i}" for i in (1, 2)]
     buckets = tuple(int(b) for b in args.buckets.split(","))
@@ -83,10 +102,13 @@ def main() -> int:
     )  # fmt: skip
     rows = []
     with torch.inference_mode():
-        workers = {
-            arm: arm_worker(base, s, buckets) for arm, s in zip(arms, schedules, strict=True)
+        pairs = zip(arms, schedules, strict=True)
+        workers = {arm: arm_worker(base, args.field, s, buckets) for arm, s in pairs}
+        # the rank's choice for the field where it reports one (with its reason), else the value
+        reasons = {
+            arm: getattr(getattr(w.info, CHOICES.get(args.field, ""), None), "reason", value)
+            for (arm, w), value in zip(workers.items(), schedules, strict=True)
         }
-        reasons = {arm: w.info.prefill_schedule.reason for arm, w in workers.items()}
         for b in buckets:
             lens = list(partition_bucket(b, base.context_length))
             steps, outs = {}, {}
@@ -129,7 +151,8 @@ def main() -> int:
         print(f"{arm}: {reasons[arm]}")
     if args.out:
         Path(args.out).write_text(json.dumps(
-            {"rows": rows, "arms": arms, "reasons": reasons, "backend": args.backend,
+            {"rows": rows, "arms": arms, "field": args.field, "reasons": reasons,
+             "backend": args.backend,
              "device": torch.cuda.get_device_name() if cuda else "cpu"}, indent=2))  # fmt: skip
     return 0
 

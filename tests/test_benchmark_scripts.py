@@ -72,6 +72,8 @@ def test_schedule_ab_times_two_ranks_of_one_process_and_checks_their_logits_agre
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["arms"] == ["own#1", "own#2"]  # an A/A run: two ranks, labelled apart
+    assert got["field"] == "prefill_schedule"
+    assert got["reasons"]["own#2"] == "asked for (--prefill-schedule own)"
     assert [r["bucket"] for r in got["rows"]] == [16, 64]
     for row in got["rows"]:
         assert row["logits_equal"]  # the same seed, the same weights, the same schedule
