@@ -203,7 +203,8 @@ for what in "$@"; do
       pack ;;
     schedab)
       # two schedules in one process, alternating (benchmarks/schedule_ab.py): SAB_ARMS (default
-      # own,balanced), SAB_BUCKETS, SAB_BACKEND; SAB_ARGS: more arguments
+      # own,balanced), SAB_BUCKETS, SAB_BACKEND; SAB_ARGS: more arguments (SAB_ARGS="--field
+      # gate_up_kernel" SAB_ARMS=triton,torch: a kernel flag instead of the schedule)
       TAIL=12 step schedule_ab 300 python3 benchmarks/schedule_ab.py --arms "${SAB_ARMS:-own,balanced}" \
         --backend "${SAB_BACKEND:-breakable}" --buckets "${SAB_BUCKETS:-16,64,256,1024,2048,4096}" \
         ${SAB_ARGS:-} --out "$RES/schedule_ab.json" ;;
