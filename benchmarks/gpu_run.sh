@@ -203,11 +203,14 @@ for what in "$@"; do
       pack ;;
     schedab)
       # two schedules in one process, alternating (benchmarks/schedule_ab.py): SAB_ARMS (default
-      # own,balanced), SAB_BUCKETS, SAB_BACKEND; SAB_ARGS: more arguments (SAB_ARGS="--field
-      # gate_up_kernel" SAB_ARMS=triton,torch: a kernel flag instead of the schedule)
-      TAIL=12 step schedule_ab 300 python3 benchmarks/schedule_ab.py --arms "${SAB_ARMS:-own,balanced}" \
-        --backend "${SAB_BACKEND:-breakable}" --buckets "${SAB_BUCKETS:-16,64,256,1024,2048,4096}" \
-        ${SAB_ARGS:-} --out "$RES/schedule_ab.json" ;;
+      # own,balanced), SAB_BUCKETS, SAB_BACKENDS (default breakable; a comma list runs one
+      # process each); SAB_ARGS: more arguments (SAB_ARGS="--field gate_up_kernel"
+      # SAB_ARMS=triton,torch: a kernel flag instead of the schedule)
+      for be in $(echo "${SAB_BACKENDS:-breakable}" | tr , ' '); do
+        TAIL=12 step schedule_ab_$be 300 python3 benchmarks/schedule_ab.py --arms "${SAB_ARMS:-own,balanced}" \
+          --backend "$be" --buckets "${SAB_BUCKETS:-16,64,256,1024,2048,4096}" \
+          ${SAB_ARGS:-} --out "$RES/schedule_ab_$be.json"
+      done ;;
     planhost)  # one ragged plan's host time: FlashInfer's module, the deal, the device planner
       TAIL=30 step plan_host 200 python3 benchmarks/plan_host.py --iters 300 --out "$RES/plan_host.json" ;;
     launch)  # what a graph launch costs the host, and when the device starts it
