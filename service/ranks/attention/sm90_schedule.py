@@ -72,6 +72,11 @@ class Layout:
             return None
         return Layout(at=at, capacity=capacity, start=at["tile"], end=end)
 
+    def local(self, field: str) -> int:
+        """``field``'s offset within the region [start, end): where the arrays' device view (and
+        the kernels, which are given that view) find it."""
+        return self.at[field] - self.start
+
 
 # a plan's layout, the int32 view of its pinned schedule buffer, and the device region it spans
 Placed = tuple[Layout, np.ndarray, torch.Tensor]
@@ -185,9 +190,9 @@ class SM90Rebalance:
         stage = self._stage_np
         stage[:length] = host[start : layout.end]  # what lies between the arrays too
         stage[: 6 * cap].reshape(6, cap)[:, :n] = block[:, schedule.order]
-        i = at["batch"] - start
+        i = layout.local("batch")
         stage[i : i + n] = batch[schedule.order]
-        i = at["work_indptr"] - start
+        i = layout.local("work_indptr")
         stage[i : i + self.num_ctas + 1] = schedule.work_indptr
         # FlashInfer's copy of the same region is queued before this one on the same stream, so
         # ours lands last
@@ -354,10 +359,9 @@ class SM90Rebalance:
         layout, _, region = got
         src, tmp = self._scratch_for(wrapper, region.numel(), layout.capacity)
         src[: region.numel()].copy_(region)
-        at = layout.at
         sm90_triton.deal(
-            src, region, tmp, layout.capacity, at["work_indptr"] - layout.start,
-            at["batch"] - layout.start, self.num_ctas, tile_rows(head_dim),
+            src, region, tmp, layout.capacity, layout.local("work_indptr"), layout.local("batch"),
+            self.num_ctas, tile_rows(head_dim),
         )  # fmt: skip
         if torch.cuda.is_current_stream_capturing():
             self._captured[id(wrapper)] = ("deal", got)
@@ -526,10 +530,9 @@ def _launch_planner(
     ``layout``'s arrays, for the request slots in ``indptr``."""
     from service.ranks.attention import sm90_triton
 
-    at = layout.at
     sm90_triton.plan(
-        indptr, region, heads, layout.capacity, at["work_indptr"] - layout.start,
-        at["batch"] - layout.start, num_ctas, tile_rows(head_dim),
+        indptr, region, heads, layout.capacity, layout.local("work_indptr"),
+        layout.local("batch"), num_ctas, tile_rows(head_dim),
     )  # fmt: skip
 
 
