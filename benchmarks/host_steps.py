@@ -39,36 +39,30 @@ def _module_timer(runner: Any, bucket: int) -> tuple[list[int], Callable[[], Non
     samples: list[int] = []
     planned = getattr(getattr(runner, "attention", None), "planned", None)
     replans = getattr(planned, "_replans", {}) if planned is not None else {}
-    undo: list[tuple[Any, Any]] = []
-    for key, replan in replans.items():
-        if key[0] != bucket or getattr(replan, "_call", None) is None:
-            continue
-        inner = replan._call
-
-        def timed(inner: Any = inner) -> Any:
-            t = ns()
-            try:
-                return inner()
-            finally:
-                samples.append(ns() - t)
-
-        undo.append((replan, inner))
-        replan._call = timed
+    undo = [
+        _timer(replan, "_call", samples)[1]
+        for key, replan in replans.items()
+        if key[0] == bucket and getattr(replan, "_call", None) is not None
+    ]
 
     def restore() -> None:
-        for replan, inner in undo:
-            replan._call = inner
+        for one in undo:
+            one()
 
     return samples, restore
 
 
-def _timer(obj: Any, name: str) -> tuple[list[int], Callable[[], None]]:
-    """Wrap ``obj.name`` (an instance attribute set over its bound method) to time each call;
-    the samples (ns) and the undo. Nothing wrapped where ``obj`` is None."""
-    samples: list[int] = []
+def _timer(
+    obj: Any, name: str, samples: list[int] | None = None
+) -> tuple[list[int], Callable[[], None]]:
+    """Wrap ``obj.name`` (a bound method, or a callable kept as an instance attribute) to time
+    each call into ``samples`` (ns; a new list if not given); the samples and the undo, which
+    puts back what the instance held. Nothing wrapped where ``obj`` is None."""
+    samples = [] if samples is None else samples
     if obj is None or not hasattr(obj, name):
         return samples, lambda: None
     inner = getattr(obj, name)
+    own = name in vars(obj)  # an instance attribute (else a method the wrapper shadows)
 
     def timed(*a: Any, **k: Any) -> Any:
         t = ns()
@@ -77,8 +71,14 @@ def _timer(obj: Any, name: str) -> tuple[list[int], Callable[[], None]]:
         finally:
             samples.append(ns() - t)
 
+    def undo() -> None:
+        if own:
+            setattr(obj, name, inner)
+        else:
+            delattr(obj, name)
+
     setattr(obj, name, timed)
-    return samples, lambda: delattr(obj, name)
+    return samples, undo
 
 
 def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[str, float] | None:
