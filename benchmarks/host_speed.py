@@ -157,18 +157,24 @@ def _python_work() -> int:
     return total
 
 
-def python_loop_us(reps: int = 5) -> float:
-    """The median µs of the pure-Python loop: about 0.2-0.5 ms of the host's time per call."""
-    return _median_us(_python_work, reps, 1)
+def python_loop_us(reps: int = 5, inner: int = 1) -> float:
+    """The median µs of the pure-Python loop over ``reps`` timings of ``inner`` loops each (the
+    defaults: about 0.2-0.5 ms of the host's time per call)."""
+    return _median_us(_python_work, reps, inner)
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread last ran on (procfs; OSError elsewhere)."""
+    return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
 
 
 def host_speed(device: torch.device, reps: int = 30) -> dict:
     """Median µs of fixed host work in this process: a pure-Python loop (1,000 multiply-adds),
     one tiny kernel launch and one replay of a one-kernel CUDA graph (both from an idle device,
     launch time only), and where the main thread runs (CPU number, CPUs allowed, load)."""
-    out: dict = {"python_loop_us": _median_us(_python_work, reps, 20)}
+    out: dict = {"python_loop_us": python_loop_us(reps, 20)}
     try:
-        out["cpu"] = int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+        out["cpu"] = current_cpu()
         out["cpus_allowed"] = len(os.sched_getaffinity(0))
         out["loadavg"] = Path("/proc/loadavg").read_text().split()[0]
     except (OSError, AttributeError, IndexError, ValueError):

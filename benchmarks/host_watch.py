@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.host_speed import _median_us, _python_work, steal_ticks
+from benchmarks.host_speed import current_cpu, python_loop_us, steal_ticks
 
 
 def main() -> int:
@@ -29,8 +29,8 @@ def main() -> int:
     t0 = time.time()
     last = steal_ticks()
     while time.time() - t0 < args.seconds:
-        loop = _median_us(_python_work, 9, 5)
-        cpu = Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36]
+        loop = python_loop_us(9, 5)
+        cpu = current_cpu()
         steal = steal_ticks()
         stolen = (steal.get("cpu", 0) - last.get("cpu", 0)) * 10
         last = steal

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.host_speed import _median_us, _python_work
+from benchmarks.host_speed import python_loop_us
 
 
 def interpreter_state() -> dict:
@@ -79,7 +79,7 @@ def busy_processes(window_s: float = 0.3, top: int = 4) -> list[tuple[str, int, 
 
 
 def measure(label: str, results: list) -> None:
-    loop = _median_us(_python_work, 30, 20)
+    loop = python_loop_us(30, 20)
     state = interpreter_state()
     busy = busy_processes()
     results.append({"step": label, "python_loop_us": loop, **state, "busy": busy})
