@@ -36,7 +36,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks.host_speed import python_loop_us
 from benchmarks.prefill_graphs import QWEN25_15B, real_batch
 from benchmarks.timeline import one_call_ms
-from service.buckets import ResolvedRequestPool, decide_replay, partition_bucket
+from service.buckets import BucketPlan, ResolvedRequestPool, decide_replay, partition_bucket
 from service.capture_result import CaptureStat
 from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
 from service.decode_sizes import DecodePlan
@@ -51,7 +51,10 @@ CHOICES = {
 }  # fmt: skip
 
 
-def arm_worker(base: EngineConfig, field: str, value: str, buckets: tuple[int, ...]) -> RankWorker:
+def arm_worker(
+    base: EngineConfig, field: str, value: str, buckets: tuple[int, ...]
+) -> tuple[RankWorker, BucketPlan]:
+    """A rank with ``field`` set to ``value``, its graphs of ``buckets`` captured, and its plan."""
     worker = RankWorker(set_up_rank(replace(base, **{field: value})))
     info = worker.info
     plan = base.graph.plan(
@@ -64,8 +67,7 @@ def arm_worker(base: EngineConfig, field: str, value: str, buckets: tuple[int, .
         stat = worker.capture("prefill", b)
         if not isinstance(stat, CaptureStat):
             raise RuntimeError(f"{field}={value}: capture of bucket {b} failed: {stat}")
-    worker.plan = plan  # type: ignore[attr-defined]
-    return worker
+    return worker, plan
 
 
 def main() -> int:
@@ -79,16 +81,16 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the built-in model (CPU smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    schedules = args.arms.split(",")
-    if len(schedules) != 2:
-        raise SystemExit(f"--arms takes two values, not {schedules}")
+    values = args.arms.split(",")
+    if len(values) != 2:
+        raise SystemExit(f"--arms takes two values, not {values}")
     fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"graph", "decode"}
     if args.field not in fields:
         raise SystemExit(
             f"--field {args.field!r} is not a flat EngineConfig field: {sorted(fields)}"
         )
-    # labels: the schedule, numbered where both arms run the same one (an A/A run)
-    arms = schedules if schedules[0] != schedules[1] else [f"{schedules[0]}#{i}" for i in (1, 2)]
+    # labels: the value, numbered where both arms take the same one (an A/A run)
+    arms = values if values[0] != values[1] else [f"{values[0]}#{i}" for i in (1, 2)]
     buckets = tuple(int(b) for b in args.buckets.split(","))
     cuda = torch.cuda.is_available()
     tmp = Path(tempfile.mkdtemp())
@@ -102,19 +104,19 @@ def main() -> int:
     )  # fmt: skip
     rows = []
     with torch.inference_mode():
-        pairs = zip(arms, schedules, strict=True)
-        workers = {arm: arm_worker(base, args.field, s, buckets) for arm, s in pairs}
+        pairs = zip(arms, values, strict=True)
+        ranks = {arm: arm_worker(base, args.field, v, buckets) for arm, v in pairs}
         # the rank's choice for the field where it reports one (with its reason), else the value
         reasons = {
             arm: getattr(getattr(w.info, CHOICES.get(args.field, ""), None), "reason", value)
-            for (arm, w), value in zip(workers.items(), schedules, strict=True)
+            for (arm, (w, _)), value in zip(ranks.items(), values, strict=True)
         }
         for b in buckets:
             lens = list(partition_bucket(b, base.context_length))
             steps, outs = {}, {}
-            for arm, w in workers.items():
+            for arm, (w, plan) in ranks.items():
                 batch = real_batch(w, lens)
-                decision = decide_replay(w.plan, b, len(lens))
+                decision = decide_replay(plan, b, len(lens))
                 last = batch.last_token_indices()
 
                 def step(w=w, batch=batch, decision=decision, last=last) -> torch.Tensor:
@@ -133,7 +135,7 @@ def main() -> int:
                 loops.append(python_loop_us())
                 order = arms if r % 2 == 0 else arms[::-1]
                 for arm in order:
-                    device = workers[arm].device
+                    device = ranks[arm][0].device
                     samples[arm] += [one_call_ms(steps[arm], device) for _ in range(per_round)]
             med = {arm: statistics.median(v) for arm, v in samples.items()}
             row = {"bucket": b, "requests": len(lens), "logits_equal": same,
