@@ -1,6 +1,6 @@
 """One line per prefill_graphs result: the host's Python loop at start and, per bucket and
 backend, the replay's ms beside the loop's median while it was timed (host_speed). Used by
-gpu_run.sh's ``pad`` step to compare processes that differ only in their environment's size.
+gpu_run.sh's ``ab`` and ``pad`` steps: each process's times beside the host speed it ran at.
 
     python benchmarks/loop_summary.py LABEL result.json [LABEL result.json ...]
 """
