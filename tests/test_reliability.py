@@ -406,3 +406,32 @@ def test_a_recorded_ray_cluster_address_is_never_joined(tmp_path):
                          timeout=120, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "joined" in out.stdout and ":9\n" not in out.stdout
+
+
+def test_a_signal_while_ray_starts_leaves_no_process_behind_and_exits_zero(tmp_path):
+    """Ray 2.60's own SIGTERM handlers in ``ray.init`` leave the agents its raylet spawned
+    running for good when the signal comes mid-start (seen: four agents left, exit status 15).
+    A pod deleted while it starts must stop what Ray started and exit 0, as a drain does."""
+    import subprocess
+    import sys
+
+    from tests.server_proc import free_port
+
+    log_path = tmp_path / "log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--port", str(free_port())],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    try:
+        assert wait_for(lambda: "Starting Ray" in log_path.read_text(), 120), log_path.read_text()
+        time.sleep(1.0)  # ray.init takes seconds: the signal comes while it runs
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    assert "start was interrupted" in text and "Server stopped (exit code 0)" in text, text
+    assert wait_for(lambda: not _group_members(proc.pid), 20), "Ray processes left behind"

@@ -82,6 +82,13 @@ def build_app(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions):
     return app, runtime
 
 
+def _exit_now(message: str) -> None:
+    """Exit 0 without Python's exit hooks: Ray's would wait on a GCS that was stopped."""
+    log.info("%s", message)
+    logging.shutdown()
+    os._exit(0)
+
+
 def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> int:
     import uvicorn
 
@@ -94,14 +101,24 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
         # Ray's core worker installs its own SIGTERM/SIGINT handlers (which end the process at
         # once) when it connects: connect here, in the main thread, before uvicorn installs the
         # handlers that drain, so that theirs are replaced and ours stay.
-        from service.executors.ray import ensure_ray
+        from service.executors.ray_start import RayStartInterrupted, start_ray, stop_started_ray
 
+        log.info("Starting Ray (%s)", cfg.ray_address or "a new local instance")
         try:
-            ensure_ray(cfg.ray_address)
+            start_ray(cfg.ray_address)
+        except RayStartInterrupted as exc:
+            _exit_now(f"{exc}; Server stopped (exit code 0)")
         except Exception as exc:
             log.error("start-up failed: cannot reach Ray (%s: %s)", type(exc).__name__, exc)
             return 1
-    app, runtime = build_app(cfg, settings, options)
+        try:
+            app, runtime = build_app(cfg, settings, options)
+        except (SystemExit, KeyboardInterrupt):  # a signal before uvicorn's handlers are in
+            ended = stop_started_ray()
+            _exit_now(f"a signal arrived before the server started; stopped Ray ({ended} "
+                      "processes left ended); Server stopped (exit code 0)")  # fmt: skip
+    else:
+        app, runtime = build_app(cfg, settings, options)
 
     class Server(uvicorn.Server):
         """uvicorn that drains before it closes, and exits non-zero on a fatal engine error."""
