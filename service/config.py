@@ -137,8 +137,8 @@ class EngineConfig:
     splitk_norm_kernel: GateUpName = "auto"
     # which SM runs which work item of FlashInfer's FA3 prefill kernel: "balanced" deals them
     # longest first across heads (service.ranks.attention.sm90_balance), "own" keeps FlashInfer's
-    # schedule, "auto" keeps it too (the balanced kernel is faster, the prefill per call was not:
-    # docs/benchmarks.md, session 43)
+    # schedule, "auto" deals again for the graph backends and keeps FlashInfer's for eager
+    # (service.ranks.select.choose_prefill_schedule says why)
     prefill_schedule: ScheduleName = "auto"
 
     def __post_init__(self) -> None:

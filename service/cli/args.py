@@ -172,9 +172,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_executor: str = "au
         choices=PREFILL_SCHEDULES,
         default="auto",
         help="which SM runs which work item of FlashInfer's FA3 prefill kernel: balanced "
-        "(longest items first across heads, sm90), own (FlashInfer's); auto: balanced for "
-        "--prefill-backend full, own for the others (faster only from 2,048 tokens there: "
-        "docs/benchmarks.md)",
+        "(longest items first across heads, sm90), own (FlashInfer's); auto: balanced for the "
+        "graph backends, own for eager (docs/benchmarks.md)",
     )
     p.add_argument(
         "--fused-kernels",

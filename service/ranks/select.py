@@ -227,6 +227,16 @@ def choose_splitk_norm(
                   untuned)  # fmt: skip
 
 
+# What the balanced schedule gained where ``auto`` takes it (docs/benchmarks.md, sessions 45, 50)
+GRAPH_SCHEDULE_GAINS = {
+    "full": "its graphs deal each plan on the device; 3-5% faster at 2,048 tokens on the H200",
+    "breakable": "buckets that can exceed the CTAs dealt on the device, smaller ones planned as "
+    "FlashInfer plans them; 4% faster at 2,048 tokens, even at 16-256 on an H100",
+    "tc_piecewise": "buckets that can exceed the CTAs dealt on the device, smaller ones planned "
+    "as FlashInfer plans them; 5% faster at 2,048 tokens, even at 16-256 on an H100",
+}
+
+
 def choose_prefill_schedule(
     requested: str,
     attention: str,
@@ -240,31 +250,20 @@ def choose_prefill_schedule(
     FA3 items dealt again longest first across heads, service.ranks.attention.sm90_balance) or
     "own" (the kernel's own schedule). Only FA3 takes a schedule from the host.
 
-    ``auto`` takes the balanced schedule for ``full``, whose graph deals each plan with a
-    captured kernel: on the H200 (docs/benchmarks.md, session 45) that made ``full`` 3-5%
-    faster at 2,048 tokens and up to 2% from 4,096, and at most 1.6% slower below (256 tokens).
-    The segment backends and eager queue the kernel after each plan; measured so, they were
-    1-3% faster at 2,048 tokens but 1-17% slower at 16-1,024, where the launch was pure cost.
-    The launch is now skipped where the plan has at most one item per CTA: in session 46 the
-    same kernels and device time as the own schedule there, but `breakable` still 1-4% slower
-    at 16-1,024 tokens in both of two alternating rounds (2-3% faster at 2,048). (Session 47:
-    where the balanced schedule runs, plans with more items than CTAs are written by the device
-    planner instead, FlashInfer's host plan skipped; session 48: the segment backends replay the
-    indptr copy and the planner as one small graph.) Session 48's A/B on an H100, three calls,
-    either arm first: balanced 1.6-4.1% faster at 2,048 tokens in 6 of 6 pairs, but 2-14%
-    slower at 16-256 in 15 of 16, with the same kernels and device busy time there. Session 49
-    measured the processes' hosts beside each timing: the slow arm's whole host was slow (a
-    pure-Python loop 60-84 us against 40-47, eager prefill 16-25 ms against 11-13), which the
-    schedule's few checks per plan cannot cost; own-schedule processes were sometimes as slow
-    (one with 5 more bytes of environment: eager 28 ms), balanced ones sometimes as fast, but
-    the balanced ones were slow more often (9 of 13 against 4 of 13, Fisher's p = 0.12; a loop
-    pinned to one vCPU flips between two speeds within a process on these VMs), and at 16 tokens
-    balanced was slower in 12 of 13 pairs (-4.8 to +9.8%), 1.9-7.0% faster at 2,048 in 9 of 9.
-    A segment bucket whose plans can never have more items than CTAs is now planned as
-    FlashInfer plans it (no schedule work at all), not yet measured on a GPU. Until one process
-    holding both schedules (benchmarks/schedule_ab.py) shows the small buckets even on a GPU,
-    the segment backends keep the kernel's own schedule (``--prefill-schedule balanced`` asks
-    for it where 2,048 tokens and up matter).
+    ``auto`` takes the balanced schedule for the graph backends. ``full``'s graph deals each
+    plan with a captured kernel: on the H200 (docs/benchmarks.md, session 45) that made ``full``
+    3-5% faster at 2,048 tokens and up to 2% from 4,096, and at most 1.6% slower below (256
+    tokens). The segment backends plan each replay: where a bucket's plans can exceed the CTAs
+    their graphs replay FlashInfer's indptr copy and the device planner as one small graph
+    (sessions 47-48), and a bucket whose plans never can (up to 512 tokens for 12 heads over 8
+    request slots on 132 SMs) is planned exactly as FlashInfer plans it, with no schedule work
+    (session 49). Session 50 measured that in one process holding both schedules, their replays
+    alternating (benchmarks/schedule_ab.py, an H100): 16 and 256 tokens even (-0.4 to +0.5%),
+    2,048 tokens 4.2% (``breakable``) and 5.0% (``tc_piecewise``) faster, in 8 of 8 rounds,
+    logits equal. (Sessions 46-49 had put the segment backends 2-14% slower at 16-256 tokens,
+    measured across processes whose whole host ran at two speeds: docs/benchmarks.md, session
+    49.) Eager queues the dealing kernel after each plan at every size and keeps FlashInfer's
+    schedule.
 
     ``device_rewrite_error``: the start-up probe of the device rewrite (service.ranks.attention.
     sm90_schedule.device_rewrite_error), run only where ``auto`` would deal again: where it
@@ -289,21 +288,20 @@ def choose_prefill_schedule(
         return BackendChoice("balanced", f"asked for ({flag} balanced)")
     if requested != "auto":
         raise ConfigError(f"unsupported {flag} {requested!r}; supported: auto, balanced, own")
-    if blocker is None and prefill_backend == "full":  # docs/benchmarks.md, session 45
+    if blocker is None and prefill_backend in GRAPH_SCHEDULE_GAINS:  # docs/benchmarks.md
         failed = device_rewrite_error()
         if failed is not None:
             return BackendChoice("own", f"auto: the device rewrite failed its check ({failed})")
         return BackendChoice(
             "balanced",
-            "auto: sm90, FA3, prefill backend full (its graphs deal each plan on the device; "
-            "3-5% faster at 2,048 tokens on the H200)",
+            f"auto: sm90, FA3, prefill backend {prefill_backend} "
+            f"({GRAPH_SCHEDULE_GAINS[prefill_backend]})",
         )
     if blocker is None:
         return BackendChoice(
             "own",
-            f"auto: FlashInfer's schedule for prefill backend {prefill_backend}: the balanced "
-            "one was 2-7% faster at 2,048 tokens but up to 10% slower at 16 on an H100 "
-            f"(ask for it with {flag} balanced)",
+            f"auto: FlashInfer's schedule for prefill backend {prefill_backend}: it queues the "
+            f"dealing kernel after every plan (ask for the balanced one with {flag} balanced)",
         )
     return BackendChoice("own", f"auto: {blocker}")
 
