@@ -105,7 +105,7 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
 
         log.info("Starting Ray (%s)", cfg.ray_address or "a new local instance")
         try:
-            start_ray(cfg.ray_address)
+            ray_started = start_ray(cfg.ray_address)
         except RayStartInterrupted as exc:
             _exit_now(f"{exc}; Server stopped (exit code 0)")
         except Exception as exc:
@@ -117,6 +117,7 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
             ended = stop_started_ray()
             _exit_now(f"a signal arrived before the server started; stopped Ray ({ended} "
                       "processes left ended); Server stopped (exit code 0)")  # fmt: skip
+        ray_started.hand_over()
     else:
         app, runtime = build_app(cfg, settings, options)
 

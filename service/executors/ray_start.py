@@ -19,6 +19,8 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from service.executors.ray import ensure_ray
 
@@ -96,11 +98,24 @@ def _raise_exit(signum: int, _frame: object) -> None:
     raise SystemExit(signum)
 
 
-def start_ray(address: str | None) -> bool:
-    """:func:`ensure_ray` (True if this call started Ray) from the main thread; a SIGTERM or
-    SIGINT during it stops whatever Ray had started and raises :class:`RayStartInterrupted`.
-    On return SIGTERM raises ``SystemExit`` (SIGINT raises ``KeyboardInterrupt``) until the
-    caller installs its own handlers; the caller then calls :func:`stop_started_ray`."""
+@dataclass(frozen=True)
+class RayStarted:
+    started_here: bool  # this call started a local Ray instance
+    ray_sigterm_handler: Any  # the handler ray.init left (it stops the node's processes)
+
+    def hand_over(self) -> None:
+        """Put Ray's SIGTERM handler back, right before the server installs its own: the server
+        keeps the handler it finds and restores it when it stops, so that a signal during its
+        shutdown reaches Ray's, as it did before this guard."""
+        signal.signal(signal.SIGTERM, self.ray_sigterm_handler)
+
+
+def start_ray(address: str | None) -> RayStarted:
+    """:func:`ensure_ray` from the main thread; a SIGTERM or SIGINT during it stops whatever Ray
+    had started and raises :class:`RayStartInterrupted`. On return SIGTERM raises
+    ``SystemExit`` (SIGINT raises ``KeyboardInterrupt``) until the caller calls
+    :meth:`RayStarted.hand_over`; the caller stops Ray with :func:`stop_started_ray` if one
+    arrives before then."""
     subreaper = set_child_subreaper(True)
     started = time.monotonic()
     # until ray.init installs its own handler: a SIGTERM while Ray is imported takes the same
@@ -108,10 +123,11 @@ def start_ray(address: str | None) -> bool:
     signal.signal(signal.SIGTERM, _raise_exit)
     try:
         started_here = ensure_ray(address)
-        # Ray's node handler (it leaves the agents behind) is replaced again: a signal before
-        # the server's own handlers are in raises SystemExit for the caller to stop Ray cleanly
-        signal.signal(signal.SIGTERM, _raise_exit)
-        return started_here
+        # Ray's node handler (it leaves the agents behind) is replaced again until the hand-over:
+        # a signal before the server's own handlers are in raises SystemExit for the caller to
+        # stop Ray cleanly
+        started = RayStarted(started_here, signal.signal(signal.SIGTERM, _raise_exit))
+        return started
     except (SystemExit, KeyboardInterrupt) as exc:
         # a second signal from here on ends the process at once, as during a drain
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
