@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,11 +44,12 @@ from benchmarks.targets import report, verdicts
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
 from benchmarks.timeline import Timeline, host_ms, one_call_ms, timed, timeline
 from benchmarks.timeline import row as timeline_row
-from service.buckets import ResolvedRequestPool, decide_replay, partition_bucket
+from service.buckets import ReplayDecision, ResolvedRequestPool, decide_replay, partition_bucket
 from service.capture_result import CaptureStat
 from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
 from service.decode_sizes import DecodePlan
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+from service.ranks.runners.base import PrefillRunner
 from service.ranks.startup import set_up_rank
 from service.ranks.worker import RankWorker
 
@@ -356,6 +358,19 @@ def prefill_flops(cfg, seq_lens: list[int]) -> float:
     return linear + attn + head
 
 
+def logits_step(
+    worker: RankWorker, runner: PrefillRunner, batch: ForwardBatch, decision: ReplayDecision
+) -> Callable[[], torch.Tensor]:
+    """One timed call: ``batch``'s prefill through ``runner``, then the logits of each request's
+    last token (as the service samples them)."""
+    last = batch.last_token_indices()
+
+    def step() -> torch.Tensor:
+        return worker.model.logits(runner.run(batch, decision).index_select(0, last))
+
+    return step
+
+
 def real_batch(worker: RankWorker, lens: list[int]) -> ForwardBatch:
     """A batch of real requests in distinct rows, KV slots from 1 (slot 0 is padding)."""
     rows, locs, cursor = [], [], 1
@@ -512,15 +527,8 @@ def main() -> int:
                 lens = list(partition_bucket(b, args.context_length))
                 batch = real_batch(worker, lens)
                 decision = decide_replay(plan, b, len(lens))
-                last = batch.last_token_indices()
-
-                def graph_step(batch=batch, decision=decision, last=last, worker=worker):
-                    hidden = worker.runner.run(batch, decision)
-                    return worker.model.logits(hidden.index_select(0, last))
-
-                def eager_step(batch=batch, decision=decision, last=last, worker=worker):
-                    hidden = worker.eager_runner.run(batch, decision)
-                    return worker.model.logits(hidden.index_select(0, last))
+                graph_step = logits_step(worker, worker.runner, batch, decision)
+                eager_step = logits_step(worker, worker.eager_runner, batch, decision)
 
                 row = rows.setdefault(b, {"bucket": b, "requests": len(lens)})
                 if "floor_ms" not in row:

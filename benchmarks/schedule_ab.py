@@ -34,7 +34,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.host_speed import python_loop_us
-from benchmarks.prefill_graphs import QWEN25_15B, real_batch
+from benchmarks.prefill_graphs import QWEN25_15B, logits_step, real_batch
 from benchmarks.timeline import one_call_ms
 from service.buckets import BucketPlan, ResolvedRequestPool, decide_replay, partition_bucket
 from service.capture_result import CaptureStat
@@ -115,15 +115,9 @@ def main() -> int:
             lens = list(partition_bucket(b, base.context_length))
             steps, outs = {}, {}
             for arm, (w, plan) in ranks.items():
-                batch = real_batch(w, lens)
                 decision = decide_replay(plan, b, len(lens))
-                last = batch.last_token_indices()
-
-                def step(w=w, batch=batch, decision=decision, last=last) -> torch.Tensor:
-                    return w.model.logits(w.runner.run(batch, decision).index_select(0, last))
-
-                steps[arm] = step
-                outs[arm] = step()
+                steps[arm] = logits_step(w, w.runner, real_batch(w, lens), decision)
+                outs[arm] = steps[arm]()
             same = torch.equal(outs[arms[0]], outs[arms[1]])
             for fn in steps.values():  # warm both
                 for _ in range(3):
