@@ -82,11 +82,11 @@ def build_app(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions):
     return app, runtime
 
 
-def _exit_now(message: str) -> None:
-    """Exit 0 without Python's exit hooks: Ray's would wait on a GCS that was stopped."""
+def _exit_now(message: str, code: int = 0) -> None:
+    """Exit without Python's exit hooks: Ray's would wait on a GCS that was stopped or is gone."""
     log.info("%s", message)
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)
 
 
 def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> int:
@@ -167,8 +167,6 @@ def serve(cfg: EngineConfig, settings: ApiSettings, options: ServeOptions) -> in
         else:  # Ray's own processes got the signal too; any Ray call (its atexit hook included)
             # would wait a minute for them
             log.warning("Ray's GCS is gone (signalled with this server?): skipping ray.shutdown()")
-            log.info("Server stopped (exit code %d)", server.exit_code)
-            logging.shutdown()
-            os._exit(server.exit_code)
+            _exit_now(f"Server stopped (exit code {server.exit_code})", server.exit_code)
     log.info("Server stopped (exit code %d)", server.exit_code)
     return server.exit_code

@@ -100,7 +100,6 @@ def _raise_exit(signum: int, _frame: object) -> None:
 
 @dataclass(frozen=True)
 class RayStarted:
-    started_here: bool  # this call started a local Ray instance
     ray_sigterm_handler: Any  # the handler ray.init left (it stops the node's processes)
 
     def hand_over(self) -> None:
@@ -117,17 +116,16 @@ def start_ray(address: str | None) -> RayStarted:
     :meth:`RayStarted.hand_over`; the caller stops Ray with :func:`stop_started_ray` if one
     arrives before then."""
     subreaper = set_child_subreaper(True)
-    started = time.monotonic()
+    t0 = time.monotonic()
     # until ray.init installs its own handler: a SIGTERM while Ray is imported takes the same
     # path as one during its start, not the default action's exit 143
     signal.signal(signal.SIGTERM, _raise_exit)
     try:
-        started_here = ensure_ray(address)
+        ensure_ray(address)
         # Ray's node handler (it leaves the agents behind) is replaced again until the hand-over:
         # a signal before the server's own handlers are in raises SystemExit for the caller to
         # stop Ray cleanly
-        started = RayStarted(started_here, signal.signal(signal.SIGTERM, _raise_exit))
-        return started
+        return RayStarted(signal.signal(signal.SIGTERM, _raise_exit))
     except (SystemExit, KeyboardInterrupt) as exc:
         # a second signal from here on ends the process at once, as during a drain
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -135,7 +133,7 @@ def start_ray(address: str | None) -> RayStarted:
         what = "SIGINT" if isinstance(exc, KeyboardInterrupt) else f"SystemExit({exc.code})"
         log.warning(
             "Ray's start was interrupted after %.1f s (%s): stopping what Ray started",
-            time.monotonic() - started, what,
+            time.monotonic() - t0, what,
         )  # fmt: skip
         ended = stop_started_ray()
         raise RayStartInterrupted(
