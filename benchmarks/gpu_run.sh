@@ -22,7 +22,9 @@
 #                                                      # attn (FA2 against FA3 prefill),
 #                                                      # rope (rotary + K/V store kernels),
 #                                                      # splitk (split-K GEMM + add-RMSNorm probe),
-#                                                      # residual (the add in the GEMM's epilogue)
+#                                                      # residual (the add in the GEMM's epilogue),
+#                                                      # qkvbias (qkv's bias in the rotary kernel),
+#                                                      # handover (graph / eager launch gaps)
 #
 # SAVE_FICACHE=1 returns FlashInfer's JIT-built modules ($OUT/ficache.tgz.*); joined into
 # .ficache/ficache.tgz and carried (.ficache, git-ignored), later calls skip their builds.
@@ -231,6 +233,11 @@ for what in "$@"; do
     residual)  # the residual add in o_proj / down's GEMM (cuBLAS beta = 1), then a plain RMSNorm
       TAIL=14 step residual_gemm 180 python3 benchmarks/residual_gemm.py --m "${RESIDUAL_M:-512,1024,2048,4096,8192}" \
         --rounds "${RESIDUAL_ROUNDS:-2}" --out "$RES/residual_gemm.json" ;;
+    qkvbias)  # qkv's bias in cuBLAS's epilogue against the rotary + K/V store kernel's
+      TAIL=12 step qkv_bias 150 python3 benchmarks/qkv_bias.py --m "${QKV_M:-16,64,128,256,512,1024,2048,8192}" \
+        --out "$RES/qkv_bias.json" ;;
+    handover)  # the device's gap at a hand-over between a graph replay and an eager launch
+      TAIL=10 step handover_gap 120 python3 benchmarks/handover_gap.py --out "$RES/handover_gap.json" ;;
     swiglu)  # gate_up GEMM + SiLU-and-mul: cuBLAS + FlashInfer against a fused Triton kernel
       TAIL=14 step swiglu 360 python3 benchmarks/swiglu_gemm.py --m "${SWIGLU_M:-16,32,64,128,256,512,1024,2048,4096,8192}" \
         --variants "${SWIGLU_VARIANTS:-tma,tmap,tmaws}" ${SWIGLU_CONFIGS:+--configs "$SWIGLU_CONFIGS"} \

@@ -51,10 +51,31 @@ CHOICES = {
 }  # fmt: skip
 
 
+def _bias_in_gemm(worker: RankWorker) -> None:
+    """qkv's bias added by its GEMM's epilogue, not by the rotary + K/V store kernel."""
+    worker.model.kernels.rope_adds_bias = lambda rows: False  # type: ignore[method-assign]
+
+
+def _small_plans_on_device(worker: RankWorker) -> None:
+    """Segment backends plan buckets of at most one item per CTA with the planner graph, not
+    FlashInfer's host plan."""
+    planned = getattr(getattr(worker.runner, "attention", None), "planned", None)
+    balance = getattr(planned, "balance", None)
+    if balance is None:
+        raise SystemExit("--tweak small_plans_on_device needs a segment backend's balanced plan")
+    balance.small_plans_on_device = True
+
+
+# --tweak: a change made to the second arm's rank only, before its capture (both arms take the
+# first value of --arms), for what no EngineConfig field chooses
+TWEAKS = {"bias_in_gemm": _bias_in_gemm, "small_plans_on_device": _small_plans_on_device}
+
+
 def arm_worker(
-    base: EngineConfig, field: str, value: str, buckets: tuple[int, ...]
+    base: EngineConfig, field: str, value: str, buckets: tuple[int, ...], tweak: str | None = None
 ) -> tuple[RankWorker, BucketPlan]:
-    """A rank with ``field`` set to ``value``, its graphs of ``buckets`` captured, and its plan."""
+    """A rank with ``field`` set to ``value`` (and ``tweak`` applied), its graphs of
+    ``buckets`` captured, and its plan."""
     worker = RankWorker(set_up_rank(replace(base, **{field: value})))
     info = worker.info
     plan = base.graph.plan(
@@ -63,6 +84,8 @@ def arm_worker(
         max_prefill_tokens=info.chunked_prefill_size,
     )
     worker.build_runners(plan, DecodePlan((), info.max_running_requests))
+    if tweak is not None:
+        TWEAKS[tweak](worker)
     for b in sorted(buckets, reverse=True):
         stat = worker.capture("prefill", b)
         if not isinstance(stat, CaptureStat):
@@ -74,6 +97,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--field", default="prefill_schedule", help="the EngineConfig field to vary")
     ap.add_argument("--arms", default="own,balanced", help="the field's two values")
+    ap.add_argument("--tweak", choices=sorted(TWEAKS), default=None,
+                    help="instead of a field: both arms as the first of --arms, the second "
+                         "with this change")  # fmt: skip
     ap.add_argument("--backend", default="breakable")
     ap.add_argument("--buckets", default="16,256,2048")
     ap.add_argument("--iters", type=int, default=40, help="timed calls per arm and bucket")
@@ -89,8 +115,15 @@ def main() -> int:
         raise SystemExit(
             f"--field {args.field!r} is not a flat EngineConfig field: {sorted(fields)}"
         )
+    tweaks: list[str | None] = [None, None]
+    if args.tweak is not None:  # the first value for both, the change on the second
+        values, tweaks = [values[0], values[0]], [None, args.tweak]
+        arms = [values[0], f"{values[0]}+{args.tweak}"]
     # labels: the value, numbered where both arms take the same one (an A/A run)
-    arms = values if values[0] != values[1] else [f"{values[0]}#{i}" for i in (1, 2)]
+    elif values[0] != values[1]:
+        arms = values
+    else:
+        arms = [f"{values[0]}#{i}" for i in (1, 2)]
     buckets = tuple(int(b) for b in args.buckets.split(","))
     cuda = torch.cuda.is_available()
     tmp = Path(tempfile.mkdtemp())
@@ -104,8 +137,8 @@ def main() -> int:
     )  # fmt: skip
     rows = []
     with torch.inference_mode():
-        pairs = zip(arms, values, strict=True)
-        ranks = {arm: arm_worker(base, args.field, v, buckets) for arm, v in pairs}
+        pairs = zip(arms, values, tweaks, strict=True)
+        ranks = {arm: arm_worker(base, args.field, v, buckets, t) for arm, v, t in pairs}
         # the rank's choice for the field where it reports one (with its reason), else the value
         reasons = {
             arm: getattr(getattr(w.info, CHOICES.get(args.field, ""), None), "reason", value)

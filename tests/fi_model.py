@@ -23,8 +23,10 @@ FI_CONFIG = {
 }
 
 
-def write_fi_model(out: Path) -> Path:
+def write_fi_model(out: Path, **overrides: object) -> Path:
+    """The model directory at ``out``; ``overrides``: config.json fields changed (e.g. Qwen2's
+    ``attention_bias=True``)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(FI_CONFIG, indent=1))
+    (out / "config.json").write_text(json.dumps({**FI_CONFIG, **overrides}, indent=1))
     write_byte_tokenizer(out / "tokenizer.json")
     return out

@@ -104,10 +104,10 @@ def test_the_model_stores_through_the_kv_target_where_the_kernels_say_so(backend
     calls: list[int] = []
 
     class Spy(Kernels):
-        def rope_qkv_store(self, ctx, qkv, sizes, head_dim, target):
+        def rope_qkv_store(self, ctx, qkv, sizes, head_dim, target, bias=None):
             calls.append(target.loc.shape[0])
             assert target.cache.shape[1:] == (2, sizes[1] // head_dim, head_dim)
-            return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
+            return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target, bias)
 
     def spy_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
         k = Spy()
@@ -135,6 +135,71 @@ def test_the_model_stores_through_the_kv_target_where_the_kernels_say_so(backend
         assert calls == [] or all(n > 0 for n in calls)  # eager warm-up calls only
     else:
         assert calls and set(calls) <= {48, 64, 256}  # eager rows, or a bucket's padded rows
+
+
+@pytest.mark.parametrize("backend", ["eager", "breakable"])
+def test_qkvs_bias_left_to_the_store_kernel_is_added_once(backend, monkeypatch, tmp_path):
+    """A model whose qkv projection has a bias (Qwen2's), on CPU: where the kernels say the
+    rotary + store kernel adds the bias, the GEMM runs without it and every layer hands it to
+    that kernel (here the reference, which adds it first); the logits and the cache match the
+    plain route's (the GEMM's epilogue adds it), float32 within rounding. A bias added twice,
+    or by neither, moves them by far more (the biases are made large for that)."""
+    import json
+
+    import service.ranks.startup as startup
+    from service.model.builtin import BUILTIN_CONFIG
+
+    model_dir = tmp_path / "biased"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({**BUILTIN_CONFIG, "attention_bias": True}))
+    model = {"model_path": str(model_dir), "load_format": "random"}
+    given: list[bool] = []
+
+    class Folding(Kernels):
+        def rope_adds_bias(self, rows):
+            return True
+
+        def rope_qkv_store(self, ctx, qkv, sizes, head_dim, target, bias=None):
+            given.append(bias is not None)
+            return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target, bias)
+
+    def folding_kernels(name, fused_gate_up=False, rope_store=False, splitk_norm=False):
+        k = Folding()
+        k._rope_store = "reference"  # any chosen kernel routes through the target
+        return k
+
+    plain = small_engine(backend, "cpu", **model)
+    monkeypatch.setattr(startup, "make_kernels", folding_kernels)
+    routed = small_engine(backend, "cpu", **model)
+    g = torch.Generator().manual_seed(5)
+    for e in (plain, routed):
+        g.manual_seed(5)
+        for layer in e.executor.worker.model.layers:
+            layer.self_attn.qkv_proj.bias.copy_(torch.randn(layer.self_attn.qkv_proj.bias.shape,
+                                                            generator=g))  # fmt: skip
+    outs = []
+    for e in (plain, routed):
+        w = e.executor.worker
+        batch = live_batch(w, (20, 17, 11), seed=3)
+        hit = decide_replay(e.resolved.plan, 48, 3)
+        with torch.inference_mode():
+            for t in w.kv.kv:
+                t.zero_()
+            runner = w.eager_runner if backend == "eager" else w.runner
+            outs.append((runner.run(batch, hit).clone(), torch.stack([t.clone() for t in w.kv.kv])))
+    (p_out, p_cache), (r_out, r_cache) = outs
+    assert given and all(given)  # every layer handed the bias over
+    assert (p_out - r_out).abs().max().item() < 1e-4 * p_out.abs().max().item()
+    assert (p_cache - r_cache).abs().max().item() < 1e-4 * p_cache.abs().max().item()
+    # the test can fail: the same run with the bias dropped is far off
+    w = routed.executor.worker
+    for layer in w.model.layers:
+        layer.self_attn.qkv_proj.bias.zero_()
+    with torch.inference_mode():
+        runner = w.eager_runner if backend == "eager" else w.runner
+        dropped = runner.run(live_batch(w, (20, 17, 11), seed=3), decide_replay(
+            routed.resolved.plan, 48, 3)).clone()  # fmt: skip
+    assert (p_out - dropped).abs().max().item() > 1e-2 * p_out.abs().max().item()
 
 
 # A stand-in for service.model.rope_store_triton on CPU (triton is CUDA-only): the same contract
@@ -351,6 +416,39 @@ def test_the_kernel_matches_the_torch_reference(tokens, heads, d):
     assert torch.equal(kv2[loc[live]], kv[loc[live]])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 37, 256, 2051])
+def test_the_kernel_adds_the_projections_bias_before_rotating(tokens):
+    """The kernel given qkv's bias (the projection ran without it): v and the cache's V are the
+    biased projection rounded once, exactly; q and k within one bf16 rounding of the reference
+    rotating the biased projection; the cache's K is the kernel's k (a kernel that dropped the
+    bias, added it to one part only, added it after rotating or left v unbiased fails)."""
+    _needs_triton()
+    from service.model import rope_store_triton as rs
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(tokens)
+    (hq, hkv), d = (12, 2), 128
+    width = (hq + 2 * hkv) * d
+    qkv = torch.randn(tokens, width, generator=g, device=dev).to(torch.bfloat16)
+    bias = torch.randn(width, generator=g, device=dev).to(torch.bfloat16)
+    positions = torch.randperm(4096, generator=g, device=dev)[:tokens]
+    table = torch.randn(4096, d, generator=g, device=dev)
+    loc = torch.arange(1, tokens + 1, device=dev)
+    kv = torch.zeros(tokens + 1, 2, hkv, d, dtype=torch.bfloat16, device=dev)
+    biased = (qkv.float() + bias.float()).to(torch.bfloat16)
+    want_qkv, _ = _reference(biased, (hq, hkv), d, positions, table, kv, loc)
+    rs.rope_store(qkv, (hq, hkv), d, positions, table, kv, loc, bias=bias)
+    torch.cuda.synchronize()
+    rot = (hq + hkv) * d
+    scale = want_qkv[:, :rot].float().abs().max()
+    assert ((qkv[:, :rot].float() - want_qkv[:, :rot].float()).abs().max() / scale) < 8e-3
+    assert torch.equal(qkv[:, rot:], biased[:, rot:])
+    k = qkv[:, hq * d : rot].reshape(tokens, hkv, d)
+    v = qkv[:, rot:].reshape(tokens, hkv, d)
+    assert torch.equal(kv[loc, 0], k) and torch.equal(kv[loc, 1], v)
+
+
 def _op_inputs(tokens: int, dev: torch.device):
     """qkv of 4 q and 2 K/V heads of 128, positions, slots 1..tokens and two empty caches."""
     qkv = torch.randn(tokens, 8 * 128, device=dev).to(torch.bfloat16)
@@ -430,12 +528,19 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
     from service.model import rope_store_triton as rs
     from tests.fi_model import write_fi_model
 
-    model = {"model_path": str(write_fi_model(tmp_path / "model")), "load_format": "random"}
+    # Qwen2's qkv bias: the kernel adds it in eager calls and the captured graphs
+    biased = write_fi_model(tmp_path / "model", attention_bias=True)
+    model = {"model_path": str(biased), "load_format": "random"}
     rows: list[int] = []
+    with_bias: list[bool] = []
     real = rs.rope_store
-    monkeypatch.setattr(
-        rs, "rope_store", lambda qkv, *a, **kw: rows.append(qkv.shape[0]) or real(qkv, *a, **kw)
-    )
+
+    def spy(qkv, *a, **kw):
+        rows.append(qkv.shape[0])
+        with_bias.append(kw.get("bias") is not None)
+        return real(qkv, *a, **kw)
+
+    monkeypatch.setattr(rs, "rope_store", spy)
     on = small_engine(
         backend, "cuda", fused_kernels="flashinfer", rope_store_kernel="triton", **model
     )
@@ -462,6 +567,7 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
         outs.append((eager, run, eager_cache, run_cache))
     (on_eager, on_run, on_ecache, on_rcache), (off_eager, off_run, off_ecache, _) = outs
     assert 48 in rows  # eager calls take it too
+    assert any(with_bias)  # the projection's bias handed to the kernel
     scale = off_eager.abs().max().item()
     assert (on_eager - off_eager).abs().max().item() < 2e-2 * scale
     assert (on_run - off_run).abs().max().item() < 2e-2 * scale

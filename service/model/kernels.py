@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from service.model import splitk, splitk_op
 from service.model.attention import KVTarget
+from service.model.rope_store_policy import bias_in_rope
 from service.model.rotary import cos_sin_at
 from service.model.splitk_policy import slices as splitk_slices
 
@@ -78,6 +79,11 @@ class Kernels:
         their attention op)."""
         return self._rope_store is not None and not torch.compiler.is_compiling()
 
+    def rope_adds_bias(self, rows: int) -> bool:
+        """Whether :meth:`rope_qkv_store` over ``rows`` tokens should be given the projection's
+        bias (the projection then runs without it). The reference: no, the GEMM adds it."""
+        return False
+
     def rope_qkv_store(
         self,
         ctx: object,
@@ -85,9 +91,13 @@ class Kernels:
         sizes: tuple[int, int, int],
         head_dim: int,
         target: KVTarget,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`rope_qkv`, then k and v to their slots of ``target``'s cache. The reference:
-        the two, one after the other."""
+        """:meth:`rope_qkv`, then k and v to their slots of ``target``'s cache; ``bias``: the
+        projection's, which it left out, added first. The reference: the three, one after the
+        other."""
+        if bias is not None:
+            qkv.add_(bias)
         q, k, v = self.rope_qkv(ctx, qkv, sizes, head_dim)
         target.store(k, v)
         return q, k, v
@@ -252,6 +262,15 @@ class FlashInferKernels(Kernels):
         # compiled pieces too: there the kernel is one opaque op (rope_store_qkv_op)
         return self._rope_store is not None
 
+    def rope_adds_bias(self, rows: int) -> bool:
+        # the kernel's eager call (eager, full, breakable); compiled pieces keep the GEMM's
+        # bias (their op takes none)
+        return (
+            self._rope_store is not None
+            and not torch.compiler.is_compiling()
+            and bias_in_rope(rows)
+        )
+
     def rope_context(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> object:
         if torch.compiler.is_compiling() and self._rope_store is None:
             return super().rope_context(positions, cos_sin_cache)
@@ -290,25 +309,30 @@ class FlashInferKernels(Kernels):
         sizes: tuple[int, int, int],
         head_dim: int,
         target: KVTarget,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # one kernel: q and k rotated (in place in qkv, or into the op's new tensor when
-        # compiled), K and V written to their slots
+        # one kernel: the bias added where given, q and k rotated (in place in qkv, or into the
+        # op's new tensor when compiled), K and V written to their slots
         m = self._rope_store
         if m is None:
-            return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
+            return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target, bias)
         positions, table = ctx  # type: ignore[misc]
         heads = (sizes[0] // head_dim, sizes[1] // head_dim)
         if sizes[1] == sizes[2] and m.fits(qkv, heads, head_dim, target.cache):
             loc = target.loc[: qkv.shape[0]]
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():  # never given the bias (rope_adds_bias)
+                if bias is not None:
+                    qkv = qkv + bias
                 qkv = m.rope_store_qkv_op(qkv, *heads, head_dim, positions, table, target.cache,
                                           loc)  # fmt: skip
+            elif bias is not None:
+                m.rope_store(qkv, heads, head_dim, positions, table, target.cache, loc, bias=bias)
             else:
                 m.rope_store(qkv, heads, head_dim, positions, table, target.cache, loc)
             q, k, v = qkv.split(sizes, dim=-1)
             return q, k, v
         # the reference (under compile, rope_qkv looks the (cos, sin) up from the context)
-        return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target)
+        return super().rope_qkv_store(ctx, qkv, sizes, head_dim, target, bias)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

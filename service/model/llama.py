@@ -114,10 +114,15 @@ class Attention(nn.Module):
         The projection is written into ``out`` (T, (Hq + 2 Hkv) D) when given; q, k, v are
         column slices of it (no copies), rotated in place where the kernels do so.
         """
-        qkv = self.qkv_proj(h, out=out)
         sizes = (self.q_size, self.kv_size, self.kv_size)
         if kv is not None:
-            return self.kernels.rope_qkv_store(rope, qkv, sizes, self.head_dim, kv)
+            # the bias, if any, added by the rotary kernel where it can (one GEMM epilogue less)
+            bias = self.qkv_proj.bias
+            if bias is not None and not self.kernels.rope_adds_bias(h.shape[0]):
+                bias = None
+            qkv = self.qkv_proj(h, out=out, add_bias=bias is None)
+            return self.kernels.rope_qkv_store(rope, qkv, sizes, self.head_dim, kv, bias)
+        qkv = self.qkv_proj(h, out=out)
         return self.kernels.rope_qkv(rope, qkv, sizes, self.head_dim)
 
 

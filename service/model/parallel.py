@@ -134,14 +134,18 @@ class ColumnParallelLinear(nn.Module):
             )
         target.copy_(take(loaded, 0, self.tp.rank * local, local).to(param.dtype))
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, add_bias: bool = True
+    ) -> torch.Tensor:
         """(T, in) -> (T, out_local), written into ``out`` when given (the same GEMM that
-        ``F.linear`` runs for 2-D input: addmm with a bias, mm without)."""
+        ``F.linear`` runs for 2-D input: addmm with a bias, mm without). ``add_bias=False``:
+        without the bias, which the caller's next kernel adds (the rotary kernel, for qkv)."""
+        bias = self.bias if add_bias else None
         if out is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
+            return F.linear(x, self.weight, bias)
+        if bias is None:
             return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+        return torch.addmm(bias, x, self.weight.t(), out=out)
 
 
 class RowParallelLinear(nn.Module):

@@ -18,3 +18,9 @@ def block_tokens(tokens: int) -> int:
     if tokens < 1:
         raise ValueError(f"a rotary call needs at least one token, got {tokens}")
     return BLOCK
+
+
+def bias_in_rope(tokens: int) -> bool:
+    """Whether the kernel adds qkv's bias over ``tokens`` rows, the GEMM running without it
+    (measurement pending)."""
+    return tokens >= 1

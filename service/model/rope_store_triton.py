@@ -43,12 +43,14 @@ def _rope_store_kernel(
     kv_ptr,  # (S + 1, 2, HKV, D): slot stride slot_stride, K at part 0, V at part 1
     slot_stride,
     loc_ptr,  # (T,) slots
+    bias_ptr,  # ((HQ + 2 HKV) D,) the projection's bias, added here (HAS_BIAS), else unused
     T,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     BT: tl.constexpr,
     COPY_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     head = tl.program_id(1)
@@ -60,6 +62,9 @@ def _rope_store_kernel(
     dst_row = out_ptr + rows[:, None].to(tl.int64) * out_stride + head * D + cols
     lo = tl.load(src, mask=mask)
     hi = tl.load(src + HALF, mask=mask)
+    if HAS_BIAS:  # added in float32, rounded once with the rotation (v: at its store)
+        lo = lo.to(tl.float32) + tl.load(bias_ptr + head * D + cols).to(tl.float32)
+        hi = hi.to(tl.float32) + tl.load(bias_ptr + head * D + HALF + cols).to(tl.float32)
     slot = tl.load(loc_ptr + rows, mask=live, other=0).to(tl.int64)[:, None]
     if head < HQ + HKV:  # q or k: rotate in place
         pos = tl.load(pos_ptr + rows, mask=live, other=0).to(tl.int64)[:, None]
@@ -76,11 +81,13 @@ def _rope_store_kernel(
             dst = kv_ptr + slot * slot_stride + (head - HQ) * D + cols
             tl.store(dst, lo, mask=mask)
             tl.store(dst + HALF, hi, mask=mask)
-    else:  # v: into the cache as it is
+    else:  # v: into the cache as it is (plus the bias)
+        lo = lo.to(qkv_ptr.dtype.element_ty)
+        hi = hi.to(qkv_ptr.dtype.element_ty)
         dst = kv_ptr + slot * slot_stride + (HKV * D) + (head - HQ - HKV) * D + cols
         tl.store(dst, lo, mask=mask)
         tl.store(dst + HALF, hi, mask=mask)
-        if COPY_V:
+        if COPY_V or HAS_BIAS:  # v moved, or changed by the bias
             tl.store(dst_row, lo, mask=mask)
             tl.store(dst_row + HALF, hi, mask=mask)
 
@@ -113,11 +120,13 @@ def rope_store(
     loc: torch.Tensor,
     out: torch.Tensor | None = None,
     block: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Rotate qkv's q and k heads and store K and V at ``loc`` (T,) in ``kv``; ``heads``:
     (Hq, Hkv). In place, or into ``out`` (T, (Hq + 2 Hkv) D) with v copied there too, qkv left
-    as it was. ``block``: tokens per program (default: the policy's; a benchmark's sweep). The
-    caller checked :func:`fits`."""
+    as it was. ``block``: tokens per program (default: the policy's; a benchmark's sweep).
+    ``bias`` ((Hq + 2 Hkv) D,): the projection's bias, added before the rotation (the GEMM then
+    runs without it). The caller checked :func:`fits`."""
     t = qkv.shape[0]
     if t == 0:
         return
@@ -127,8 +136,8 @@ def rope_store(
     dst = qkv if out is None else out
     _rope_store_kernel[grid](
         qkv, qkv.stride(0), dst, dst.stride(0), positions, cos_sin_cache, cos_sin_cache.stride(0),
-        kv, kv.stride(0), loc, t, HQ=hq, HKV=hkv, D=head_dim, BT=bt, COPY_V=out is not None,
-        num_warps=4,
+        kv, kv.stride(0), loc, qkv if bias is None else bias, t, HQ=hq, HKV=hkv, D=head_dim,
+        BT=bt, COPY_V=out is not None, HAS_BIAS=bias is not None, num_warps=4,
     )  # fmt: skip
 
 

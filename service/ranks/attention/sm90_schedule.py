@@ -114,6 +114,9 @@ class SM90Rebalance:
         # the whole schedule made on the device from the request lengths (sm90_triton.plan),
         # FlashInfer's host plan skipped: where its start-up probe plans as the reference does
         self.plans_on_device = on_device and cuda and _device_plan_checked(device, num_ctas)
+        # whether a segment backend's plan of at most one item per CTA replays the planner
+        # graph too (True) or goes through FlashInfer's host plan (False; see replay_plan)
+        self.small_plans_on_device = False
         # id(wrapper) -> (its device int buffer, the kernel's copy of the region, its scratch)
         self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # id(wrapper) -> the kernel captured for it in ``full``'s graph ("deal" or "plan") and
@@ -318,7 +321,7 @@ class SM90Rebalance:
         # at most one item per CTA FlashInfer's plan is as short, and taking the planner there
         # put its kernel in front of the first attention for nothing: `breakable` at 256 tokens
         # ran 0.5-1.5% slower on an H100 (docs/benchmarks.md, session 48)
-        if n > got[0].capacity or n <= self.num_ctas:
+        if n > got[0].capacity or (n <= self.num_ctas and not self.small_plans_on_device):
             return False
         graph.replay()
         self.device_plans += 1
