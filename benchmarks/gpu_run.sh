@@ -234,7 +234,7 @@ for what in "$@"; do
       TAIL=14 step residual_gemm 180 python3 benchmarks/residual_gemm.py --m "${RESIDUAL_M:-512,1024,2048,4096,8192}" \
         --rounds "${RESIDUAL_ROUNDS:-2}" --out "$RES/residual_gemm.json" ;;
     qkvbias)  # qkv's bias in cuBLAS's epilogue against the rotary + K/V store kernel's
-      TAIL=12 step qkv_bias 150 python3 benchmarks/qkv_bias.py --m "${QKV_M:-16,64,128,256,512,1024,2048,8192}" \
+      TAIL=12 step qkv_bias 150 python3 benchmarks/qkv_bias.py --m "${QKV_M:-1,4,16,64,128,256,512,1024,2048,8192}" \
         --out "$RES/qkv_bias.json" ;;
     handover)  # the device's gap at a hand-over between a graph replay and an eager launch
       TAIL=10 step handover_gap 120 python3 benchmarks/handover_gap.py --out "$RES/handover_gap.json" ;;

@@ -88,7 +88,7 @@ def measure(m: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", default="16,64,128,256,512,1024,2048,8192")
+    ap.add_argument("--m", default="1,4,16,64,128,256,512,1024,2048,8192")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []

@@ -525,10 +525,13 @@ def test_the_model_with_the_kernel_matches_the_model_without_it(backend, monkeyp
     projection, so only the cache shows a run that stored nothing)."""
     _needs_triton()
     pytest.importorskip("flashinfer", reason="the kernel runs with FlashInfer's fused kernels")
+    import service.model.kernels as kernels_module
     from service.model import rope_store_triton as rs
     from tests.fi_model import write_fi_model
 
-    # Qwen2's qkv bias: the kernel adds it in eager calls and the captured graphs
+    # Qwen2's qkv bias, handed to the kernel in eager calls and the captured graphs at every
+    # size (whatever rope_store_policy.bias_in_rope says today)
+    monkeypatch.setattr(kernels_module, "bias_in_rope", lambda tokens: True)
     biased = write_fi_model(tmp_path / "model", attention_bias=True)
     model = {"model_path": str(biased), "load_format": "random"}
     rows: list[int] = []

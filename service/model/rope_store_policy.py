@@ -21,6 +21,11 @@ def block_tokens(tokens: int) -> int:
 
 
 def bias_in_rope(tokens: int) -> bool:
-    """Whether the kernel adds qkv's bias over ``tokens`` rows, the GEMM running without it
-    (measurement pending)."""
-    return tokens >= 1
+    """Whether the kernel adds qkv's bias over ``tokens`` rows, the GEMM then running without
+    its bias epilogue (service.model.llama.Attention.qkv).
+
+    Why it might pay: at 256 tokens cuBLAS runs qkv's GEMM with the bias epilogue as 64 x 64
+    tiles, 6.5 us a layer on the H200 against 2.1 us of FLOPs (docs/benchmarks.md, session 50's
+    profile), and the kernel loads every element of q, k and v anyway. Not measured yet
+    (``benchmarks/qkv_bias.py``, session 51 got no GPU): until it is, the GEMM keeps the bias."""
+    return False
