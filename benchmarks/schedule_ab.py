@@ -51,9 +51,17 @@ CHOICES = {
 }  # fmt: skip
 
 
-def _bias_in_gemm(worker: RankWorker) -> None:
-    """qkv's bias added by its GEMM's epilogue, not by the rotary + K/V store kernel."""
-    worker.model.kernels.rope_adds_bias = lambda rows: False  # type: ignore[method-assign]
+def _bias_in_rope(worker: RankWorker) -> None:
+    """qkv's bias added by the rotary + K/V store kernel wherever it runs (not compiled), its
+    GEMM then running without the bias epilogue, whatever rope_store_policy says."""
+    kernels = worker.model.kernels
+    if getattr(kernels, "_rope_store", None) is None:
+        raise SystemExit("--tweak bias_in_rope needs the rotary + K/V store kernel")
+
+    def adds(rows: int) -> bool:
+        return not torch.compiler.is_compiling()
+
+    kernels.rope_adds_bias = adds  # type: ignore[method-assign]
 
 
 def _small_plans_on_device(worker: RankWorker) -> None:
@@ -68,7 +76,7 @@ def _small_plans_on_device(worker: RankWorker) -> None:
 
 # --tweak: a change made to the second arm's rank only, before its capture (both arms take the
 # first value of --arms), for what no EngineConfig field chooses
-TWEAKS = {"bias_in_gemm": _bias_in_gemm, "small_plans_on_device": _small_plans_on_device}
+TWEAKS = {"bias_in_rope": _bias_in_rope, "small_plans_on_device": _small_plans_on_device}
 
 
 def arm_worker(
