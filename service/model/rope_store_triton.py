@@ -10,6 +10,10 @@ session 31).
 
 One program per (block of tokens, head): q heads are rotated, k heads rotated and stored, v
 heads stored. Padded tokens carry the padding slot, which any number of them may overwrite.
+Given the projection's bias (``bias=``; the GEMM then ran without it), each element gets its
+column's bias added in float32 first: q and k are rounded once after the rotation, v once after
+the add and written back as well as stored (service.model.rope_store_policy.bias_in_rope says
+when the model does this).
 
 Numerics: each element is a * cos - b * sin (or b * cos + a * sin) in float32, rounded once to
 the input dtype, as the torch reference computes it; the compiler may contract a multiply and
