@@ -34,22 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gemm_shapes import save_rows
+from benchmarks.graph_launch import capture
 
 LAYERS = 28
-
-
-def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    torch.cuda.synchronize()
-    return g
 
 
 def timed(fn: Callable[[], None], behind: Callable[[], None] | None, iters: int) -> float:
