@@ -208,9 +208,13 @@ def test_qkvs_bias_left_to_the_store_kernel_is_added_once(backend, monkeypatch, 
 _op_calls: list[int] = []
 
 
-def _cpu_rope_store(qkv, heads, head_dim, positions, table, kv, loc, out=None, block=None):
+def _cpu_rope_store(qkv, heads, head_dim, positions, table, kv, loc, out=None, block=None,
+                    bias=None):  # fmt: skip
     from service.model.kernels import Kernels
     from service.ranks.kv_pool import store_entries
+
+    if bias is not None:  # the kernel's contract: the projection's bias added first
+        qkv.add_(bias)
 
     hq, hkv = heads
     t, d = qkv.shape[0], head_dim

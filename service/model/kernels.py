@@ -325,10 +325,8 @@ class FlashInferKernels(Kernels):
                     qkv = qkv + bias
                 qkv = m.rope_store_qkv_op(qkv, *heads, head_dim, positions, table, target.cache,
                                           loc)  # fmt: skip
-            elif bias is not None:
-                m.rope_store(qkv, heads, head_dim, positions, table, target.cache, loc, bias=bias)
             else:
-                m.rope_store(qkv, heads, head_dim, positions, table, target.cache, loc)
+                m.rope_store(qkv, heads, head_dim, positions, table, target.cache, loc, bias=bias)
             q, k, v = qkv.split(sizes, dim=-1)
             return q, k, v
         # the reference (under compile, rope_qkv looks the (cos, sin) up from the context)
