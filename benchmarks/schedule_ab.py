@@ -64,6 +64,15 @@ def _bias_in_rope(worker: RankWorker) -> None:
     kernels.rope_adds_bias = adds  # type: ignore[method-assign]
 
 
+def _bias_in_gemm(worker: RankWorker) -> None:
+    """qkv's GEMM adds its bias (cuBLAS's epilogue) at every size, the rotary kernel then taking
+    none, whatever rope_store_policy says: the A/B of the fold from the other side."""
+    kernels = worker.model.kernels
+    if getattr(kernels, "_rope_store", None) is None:
+        raise SystemExit("--tweak bias_in_gemm needs the rotary + K/V store kernel")
+    kernels.rope_adds_bias = lambda rows: False  # type: ignore[method-assign]
+
+
 def _small_plans_on_device(worker: RankWorker) -> None:
     """Segment backends plan buckets of at most one item per CTA with the planner graph, not
     FlashInfer's host plan."""
@@ -76,7 +85,10 @@ def _small_plans_on_device(worker: RankWorker) -> None:
 
 # --tweak: a change made to the second arm's rank only, before its capture (both arms take the
 # first value of --arms), for what no EngineConfig field chooses
-TWEAKS = {"bias_in_rope": _bias_in_rope, "small_plans_on_device": _small_plans_on_device}
+TWEAKS = {
+    "bias_in_rope": _bias_in_rope, "bias_in_gemm": _bias_in_gemm,
+    "small_plans_on_device": _small_plans_on_device,
+}  # fmt: skip
 
 
 def arm_worker(

@@ -85,7 +85,8 @@ def test_schedule_ab_refuses_a_tweak_that_cannot_apply_here():
     """--tweak changes the second arm's rank only; a tweak whose kernel or plan this rank does
     not have (the built-in model on CPU) says so instead of timing two equal arms."""
     for tweak, why in (("small_plans_on_device", "needs a segment backend's balanced plan"),
-                       ("bias_in_rope", "needs the rotary + K/V store kernel")):  # fmt: skip
+                       ("bias_in_rope", "needs the rotary + K/V store kernel"),
+                       ("bias_in_gemm", "needs the rotary + K/V store kernel")):  # fmt: skip
         bad = run_script("benchmarks/schedule_ab.py", "--tiny", "--tweak", tweak, "--buckets",
                          "16", "--iters", "2", "--rounds", "2")  # fmt: skip
         assert bad.returncode != 0 and why in bad.stderr

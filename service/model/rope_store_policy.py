@@ -22,10 +22,17 @@ def block_tokens(tokens: int) -> int:
 
 def bias_in_rope(tokens: int) -> bool:
     """Whether the kernel adds qkv's bias over ``tokens`` rows, the GEMM then running without
-    its bias epilogue (service.model.llama.Attention.qkv).
+    its bias epilogue (service.model.llama.Attention.qkv): yes, at every size.
 
-    Why it might pay: at 256 tokens cuBLAS runs qkv's GEMM with the bias epilogue as 64 x 64
-    tiles, 6.5 us a layer on the H200 against 2.1 us of FLOPs (docs/benchmarks.md, session 50's
-    profile), and the kernel loads every element of q, k and v anyway. Not measured yet
-    (``benchmarks/qkv_bias.py``, session 51 got no GPU): until it is, the GEMM keeps the bias."""
-    return False
+    Why: session 50's H200 profile has cuBLAS run qkv's GEMM with the bias epilogue as 64 x 64
+    tiles at 256 tokens, 6.5 us a layer against 2.1 us of FLOPs, and the kernel loads every
+    element of q, k and v anyway. Measured on an H100 (docs/benchmarks.md, session 52): the GEMM
+    without the epilogue is 0.2-0.7 us faster from 1 to 8,192 tokens, the kernel with the bias
+    0.1-0.2 us slower (2.8 at 8,192); the pair in one graph 0.98-1.02x of today's. The whole model
+    (Qwen2.5-1.5B shapes, ``benchmarks/schedule_ab.py --tweak bias_in_rope``, two processes) ran
+    0.3-0.9% faster with the fold in 11 of 12 backend x bucket figures at 16, 256 and 2,048 tokens
+    (the twelfth 0.4% slower): a small, steady gain, and one rounding of q, k and v instead of
+    two. ``--tweak bias_in_gemm`` measures it from the other side."""
+    if tokens < 1:
+        raise ValueError(f"a rotary call needs at least one token, got {tokens}")
+    return True

@@ -64,19 +64,19 @@ def _rope_store_kernel(
     cols = tl.arange(0, HALF)[None, :]
     src = qkv_ptr + rows[:, None].to(tl.int64) * qkv_stride + head * D + cols
     dst_row = out_ptr + rows[:, None].to(tl.int64) * out_stride + head * D + cols
-    lo = tl.load(src, mask=mask)
-    hi = tl.load(src + HALF, mask=mask)
+    # float32 from the load on (exact for bf16/fp16): Triton wants one type per name across the
+    # constexpr branch, and the bias and the rotation are both done in float32
+    a = tl.load(src, mask=mask).to(tl.float32)
+    b = tl.load(src + HALF, mask=mask).to(tl.float32)
     if HAS_BIAS:  # added in float32, rounded once with the rotation (v: at its store)
-        lo = lo.to(tl.float32) + tl.load(bias_ptr + head * D + cols).to(tl.float32)
-        hi = hi.to(tl.float32) + tl.load(bias_ptr + head * D + HALF + cols).to(tl.float32)
+        a = a + tl.load(bias_ptr + head * D + cols).to(tl.float32)
+        b = b + tl.load(bias_ptr + head * D + HALF + cols).to(tl.float32)
     slot = tl.load(loc_ptr + rows, mask=live, other=0).to(tl.int64)[:, None]
     if head < HQ + HKV:  # q or k: rotate in place
         pos = tl.load(pos_ptr + rows, mask=live, other=0).to(tl.int64)[:, None]
         table = cs_ptr + pos * cs_stride + cols
         cos = tl.load(table, mask=mask)
         sin = tl.load(table + HALF, mask=mask)
-        a = lo.to(tl.float32)
-        b = hi.to(tl.float32)
         lo = (a * cos - b * sin).to(qkv_ptr.dtype.element_ty)
         hi = (b * cos + a * sin).to(qkv_ptr.dtype.element_ty)
         tl.store(dst_row, lo, mask=mask)
@@ -86,8 +86,8 @@ def _rope_store_kernel(
             tl.store(dst, lo, mask=mask)
             tl.store(dst + HALF, hi, mask=mask)
     else:  # v: into the cache as it is (plus the bias)
-        lo = lo.to(qkv_ptr.dtype.element_ty)
-        hi = hi.to(qkv_ptr.dtype.element_ty)
+        lo = a.to(qkv_ptr.dtype.element_ty)
+        hi = b.to(qkv_ptr.dtype.element_ty)
         dst = kv_ptr + slot * slot_stride + (HKV * D) + (head - HQ - HKV) * D + cols
         tl.store(dst, lo, mask=mask)
         tl.store(dst + HALF, hi, mask=mask)
