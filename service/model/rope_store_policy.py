@@ -27,12 +27,14 @@ def bias_in_rope(tokens: int) -> bool:
     Why: session 50's H200 profile has cuBLAS run qkv's GEMM with the bias epilogue as 64 x 64
     tiles at 256 tokens, 6.5 us a layer against 2.1 us of FLOPs, and the kernel loads every
     element of q, k and v anyway. Measured on an H100 (docs/benchmarks.md, session 52): the GEMM
-    without the epilogue is 0.2-0.7 us faster from 1 to 8,192 tokens, the kernel with the bias
+    without the epilogue is 0.02-0.72 us faster from 1 to 8,192 tokens, the kernel with the bias
     0.1-0.2 us slower (2.8 at 8,192); the pair in one graph 0.98-1.02x of today's. The whole model
     (Qwen2.5-1.5B shapes, ``benchmarks/schedule_ab.py --tweak bias_in_rope``, two processes) ran
-    0.3-0.9% faster with the fold in 11 of 12 backend x bucket figures at 16, 256 and 2,048 tokens
-    (the twelfth 0.4% slower): a small, steady gain, and one rounding of q, k and v instead of
-    two. ``--tweak bias_in_gemm`` measures it from the other side."""
+    0.1-0.9% faster with the fold in 11 of 12 backend x bucket figures at 16, 256 and 2,048 tokens
+    (the twelfth 0.4% slower). Each difference is inside one figure's spread (its 40 samples
+    span about 5%), but the sign held in both processes; with q, k and v rounded once instead
+    of twice, the fold is the better default. ``--tweak bias_in_gemm`` measures it from the
+    other side."""
     if tokens < 1:
         raise ValueError(f"a rotary call needs at least one token, got {tokens}")
     return True
