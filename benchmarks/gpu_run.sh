@@ -40,7 +40,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target "$HOME/site" .fiw/*.whl .gpuw/*.whl >"$RES/pip.txt" 2>&1 || { cat "$RES/pip.txt"; exit 1; }
 export PYTHONPATH="$HOME/site:$PWD"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
-python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$RES/gpu.txt"
+python3 -c "import torch, flashinfer, triton; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'triton', triton.__version__)" | tee -a "$RES/gpu.txt"
 # FlashInfer's JIT builds of an earlier call, if carried (.ficache/ficache.tgz: <module>/<module>.so,
 # as SAVE_FICACHE=1 returns them): installed where FlashInfer looks for AOT modules, which it
 # loads without building; a module not among them is built as usual
