@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,26 +52,23 @@ CHOICES = {
 }  # fmt: skip
 
 
-def _bias_in_rope(worker: RankWorker) -> None:
-    """qkv's bias added by the rotary + K/V store kernel wherever it runs (not compiled), its
-    GEMM then running without the bias epilogue, whatever rope_store_policy says."""
-    kernels = worker.model.kernels
-    if getattr(kernels, "_rope_store", None) is None:
-        raise SystemExit("--tweak bias_in_rope needs the rotary + K/V store kernel")
+def _rope_bias(adds: bool) -> Callable[[RankWorker], None]:
+    """The tweak that has the rotary + K/V store kernel add qkv's bias wherever it runs (not
+    compiled) and the GEMM run without its epilogue (``adds``), or the GEMM add it at every size
+    (not ``adds``): the fold's A/B from either side, whatever rope_store_policy says."""
+    name = "bias_in_rope" if adds else "bias_in_gemm"
 
-    def adds(rows: int) -> bool:
-        return not torch.compiler.is_compiling()
+    def tweak(worker: RankWorker) -> None:
+        kernels = worker.model.kernels
+        if getattr(kernels, "_rope_store", None) is None:
+            raise SystemExit(f"--tweak {name} needs the rotary + K/V store kernel")
 
-    kernels.rope_adds_bias = adds  # type: ignore[method-assign]
+        def rope_adds_bias(rows: int) -> bool:
+            return adds and not torch.compiler.is_compiling()
 
+        kernels.rope_adds_bias = rope_adds_bias  # type: ignore[method-assign]
 
-def _bias_in_gemm(worker: RankWorker) -> None:
-    """qkv's GEMM adds its bias (cuBLAS's epilogue) at every size, the rotary kernel then taking
-    none, whatever rope_store_policy says: the A/B of the fold from the other side."""
-    kernels = worker.model.kernels
-    if getattr(kernels, "_rope_store", None) is None:
-        raise SystemExit("--tweak bias_in_gemm needs the rotary + K/V store kernel")
-    kernels.rope_adds_bias = lambda rows: False  # type: ignore[method-assign]
+    return tweak
 
 
 def _small_plans_on_device(worker: RankWorker) -> None:
@@ -86,7 +84,7 @@ def _small_plans_on_device(worker: RankWorker) -> None:
 # --tweak: a change made to the second arm's rank only, before its capture (both arms take the
 # first value of --arms), for what no EngineConfig field chooses
 TWEAKS = {
-    "bias_in_rope": _bias_in_rope, "bias_in_gemm": _bias_in_gemm,
+    "bias_in_rope": _rope_bias(True), "bias_in_gemm": _rope_bias(False),
     "small_plans_on_device": _small_plans_on_device,
 }  # fmt: skip
 
