@@ -54,16 +54,19 @@ class Launch:
     args: dict[str, Any]  # every parameter by name, as bound
     options: dict[str, int]  # num_warps, num_stages where given
 
-    def compile(self, cc: tuple[int, int]) -> Any:
+    def spec(self) -> tuple[dict[str, str], dict[str, Any]]:
+        """Triton's signature of this launch (each argument's type, as the runtime mangles it)
+        and its constexprs' values: what the compiled kernel depends on."""
         constexprs = {p.name for p in self.kernel.params if p.is_constexpr}
         signature = {
             name: "constexpr" if name in constexprs else mangle_type(value)
             for name, value in self.args.items()
         }
-        src = ASTSource(
-            fn=self.kernel, signature=signature,
-            constexprs={name: self.args[name] for name in constexprs},
-        )  # fmt: skip
+        return signature, {name: self.args[name] for name in constexprs}
+
+    def compile(self, cc: tuple[int, int]) -> Any:
+        signature, constexprs = self.spec()
+        src = ASTSource(fn=self.kernel, signature=signature, constexprs=constexprs)
         # FMA contraction on, as the GPU runtime's Triton compiles these kernels (its default
         # until 3.10; the rotary kernel's numerics note counts on it)
         options = {"enable_fp_fusion": True, **self.options}
@@ -101,16 +104,13 @@ def catch(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any, str], Catch]:
 
 def _compiles(launches: list[Launch], targets: tuple[tuple[int, int], ...]) -> Iterator[str]:
     """Compile each distinct launch for each target; yields what compiled, raises what not."""
-    seen: set[tuple[str, ...]] = set()
+    seen: set[str] = set()
     for launch in launches:
-        key = tuple(repr(launch.options).split()) + tuple(
-            f"{n}={v!r}" if isinstance(v, (bool, int, float)) else f"{n}:{mangle_type(v)}"
-            for n, v in launch.args.items()
-        )
         for cc in targets:
-            if (*key, str(cc)) in seen:
+            key = repr((launch.kernel.fn.__name__, *launch.spec(), launch.options, cc))
+            if key in seen:
                 continue
-            seen.add((*key, str(cc)))
+            seen.add(key)
             compiled = launch.compile(cc)
             assert compiled.asm.get("cubin"), f"no cubin for sm{cc[0]}{cc[1]}"
             yield f"{launch.kernel.fn.__name__} sm{cc[0]}{cc[1]}"
