@@ -82,7 +82,8 @@ for what in "$@"; do
         "tests/test_api.py::test_seed_scenario_on_cuda[breakable]" ${GPU_TESTS:-tests/test_kernels.py \
         tests/test_gate_up.py tests/test_rope_store.py tests/test_honest_replay.py \
         tests/test_decode_graphs.py tests/test_flashinfer.py tests/test_graph_runners.py \
-        tests/test_api.py tests/test_deepseek.py} ;;
+        tests/test_api.py tests/test_deepseek.py tests/test_sm90_schedule.py \
+        tests/test_splitk_norm.py tests/test_mlp_chunks.py} ;;
     decode)
       # DECODE_ARGS: more arguments, e.g. "--gate-up-kernel torch" for the other arm of an A/B
       step decode 240 python3 benchmarks/decode_step.py --batches 1,2,4,8,16,32,64 \

@@ -6,6 +6,7 @@ They report the kernel choices that their figures depend on."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,20 @@ def test_host_steps_times_a_real_replay_of_the_bucket(backend):
     assert got["first_attention_us"] >= got["load_us"] + got["head_us"] + got["plan_us"]
     assert got["total_us"] >= got["first_attention_us"]
     assert host_steps(w.eager_runner, batch, bucket) is None  # no tape: nothing to split
+
+
+def test_the_gpu_call_runs_every_test_file_that_has_gpu_tests():
+    """``gpu_run.sh tests`` names its test files (the Ray wheels do not travel to the GPU
+    machine, so it cannot collect the whole folder): a new file of ``gpu``-marked tests left out
+    of that list would skip on CPU and never run on a GPU either, as three files did until
+    session 53."""
+    script = (ROOT / "benchmarks" / "gpu_run.sh").read_text()
+    default = script.split("${GPU_TESTS:-", 1)[1].split("}", 1)[0]
+    listed = set(default.replace("\\", " ").split())
+    marked = {
+        f"tests/{p.name}"
+        for p in (ROOT / "tests").glob("test_*.py")
+        if re.search(r"(@|marks=|pytestmark = \[?)pytest\.mark\.gpu\b", p.read_text())
+    }
+    assert marked, "no test file has gpu-marked tests: the pattern above is stale"
+    assert marked <= listed, f"gpu_run.sh tests leaves out {sorted(marked - listed)}"
