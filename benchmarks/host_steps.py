@@ -12,7 +12,9 @@ step, from an idle device, and reports medians:
 - ``head_us``: the steps before the first attention call (the first segment's graph launch);
 - ``plan_us``: this forward's attention launches resolved (the plan of the planned path, or the
   eager backend's bind), of which ``plan_module_us`` is FlashInfer's compiled plan call, when the
-  planned path records one;
+  planned path records one, ``prepare_us`` the replans (the plan less the launchers' lookup),
+  and within them ``graph_plan_us`` / ``device_plan_us`` / ``after_us`` the balanced schedule's
+  hooks (asked before and after the module plan) and ``replan_rest_us`` the replans' own work;
 - ``attention_launch_us`` / ``graph_launch_us``: one attention launch / one graph launch, the
   median over the layers, and ``copy_us`` for any other step;
 - ``total_us``: the replay's host time, start to return (the steps and the stamps).
@@ -33,16 +35,21 @@ import torch
 ns = time.perf_counter_ns
 
 
-def _module_timer(runner: Any, bucket: int) -> tuple[list[int], Callable[[], None]]:
-    """Wrap the planned path's recorded FlashInfer plan calls of ``bucket`` to time them; the
-    samples (ns) and the undo."""
+def _replan_timer(
+    runner: Any, bucket: int, name: str = "_call"
+) -> tuple[list[int], Callable[[], None]]:
+    """Wrap one callable of each of the planned path's replans of ``bucket`` to time its calls;
+    the samples (ns) and the undo. ``_call``: the recorded FlashInfer module plan; ``_graph_plan``
+    / ``_device_plan``: the schedule's planner graph / planner, each asked first (and declining
+    where the plan has at most an item per CTA); ``_after``: the schedule's look at the plan
+    FlashInfer made."""
     samples: list[int] = []
     planned = getattr(getattr(runner, "attention", None), "planned", None)
     replans = getattr(planned, "_replans", {}) if planned is not None else {}
     undo = [
-        _timer(replan, "_call", samples)[1]
+        _timer(replan, name, samples)[1]
         for key, replan in replans.items()
-        if key[0] == bucket and getattr(replan, "_call", None) is not None
+        if key[0] == bucket and getattr(replan, name, None) is not None
     ]
 
     def restore() -> None:
@@ -96,7 +103,12 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
         "attention" if i in at else ("graph" if op in launchers else "copy")
         for i, op in enumerate(tape._tail)
     ]
-    module_ns, restore_module = _module_timer(runner, bucket)
+    # the replans' parts: FlashInfer's module plan, the schedule's hooks around it; what is left
+    # of the replans (``replan_rest_us``) is their own host work: the wait on the last plan's
+    # copies, the host indptrs, the indptr copy's launch, the plan info's check
+    parts = {k: _replan_timer(runner, bucket, k) for k in (
+        "_call", "_graph_plan", "_device_plan", "_after")}  # fmt: skip
+    module_ns = parts["_call"][0]
     planned = getattr(runner.attention, "planned", None)
     # the plan step's parts: the replans (prepare) and, inside them, the device planner's
     # Triton launch (SM90Rebalance._queue_plan); the rest is the launchers' lookup
@@ -104,18 +116,20 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
     launch_ns, restore_launch = _timer(getattr(planned, "balance", None), "_queue_plan")
 
     def restore() -> None:
-        restore_module()
+        for _, undo in parts.values():
+            undo()
         restore_prepare()
         restore_launch()
 
     rows: dict[str, list[float]] = {k: [] for k in (
         "load_us", "head_us", "plan_us", "plan_module_us", "prepare_us", "planner_launch_us",
+        "graph_plan_us", "device_plan_us", "after_us", "replan_rest_us",
         "attention_launch_us", "graph_launch_us", "copy_us", "first_attention_us",
         "total_us")}  # fmt: skip
     try:
         for _ in range(iters + 2):
             sync()
-            for kept in (module_ns, prepare_ns, launch_ns):
+            for kept in (*(got for got, _ in parts.values()), prepare_ns, launch_ns):
                 kept.clear()
             per: dict[str, list[int]] = {"attention": [], "graph": [], "copy": []}
             t0 = ns()
@@ -149,6 +163,15 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
             rows["plan_module_us"].append(sum(module_ns) / 1e3 if module_ns else float("nan"))
             rows["prepare_us"].append(sum(prepare_ns) / 1e3 if prepare_ns else float("nan"))
             rows["planner_launch_us"].append(sum(launch_ns) / 1e3 if launch_ns else float("nan"))
+            hooks = 0
+            for key, name in (("graph_plan_us", "_graph_plan"), ("device_plan_us", "_device_plan"),
+                              ("after_us", "_after")):  # fmt: skip
+                got = parts[name][0]
+                hooks += sum(got)
+                rows[key].append(sum(got) / 1e3 if got else float("nan"))
+            rows["replan_rest_us"].append(
+                (sum(prepare_ns) - sum(module_ns) - hooks) / 1e3 if prepare_ns else float("nan")
+            )
             rows["first_attention_us"].append((first or 0) / 1e3)
             rows["total_us"].append((t4 - t0) / 1e3)
             for kind in ("attention", "graph", "copy"):
@@ -164,7 +187,7 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
 
 
 HEADER = (f"{'backend':>13} {'bucket':>6} {'load':>6} {'head':>6} {'plan':>6} {'module':>7} "
-          f"{'prepare':>7} {'planner':>7} "
+          f"{'prepare':>7} {'planner':>7} {'hooks':>6} {'rest':>6} "
           f"{'1st attn':>8} {'attn':>6} {'graph':>6} {'total':>7}")  # fmt: skip
 
 
@@ -173,7 +196,10 @@ def row(backend: str, bucket: int, s: dict[str, float]) -> str:
         v = s.get(k)
         return f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
 
+    hooks = [s[k] for k in ("graph_plan_us", "device_plan_us", "after_us") if k in s]
+    s = {**s, "hooks_us": sum(v for v in hooks if v == v)} if hooks else s  # NaN: not hooked
     return (f"{backend:>13} {bucket:>6} {f('load_us')} {f('head_us')} {f('plan_us')} "
             f"{f('plan_module_us', 7)} {f('prepare_us', 7)} {f('planner_launch_us', 7)} "
+            f"{f('hooks_us')} {f('replan_rest_us')} "
             f"{f('first_attention_us', 8)} {f('attention_launch_us')} "
             f"{f('graph_launch_us')} {f('total_us', 7)}")  # fmt: skip
