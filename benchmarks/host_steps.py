@@ -14,7 +14,8 @@ step, from an idle device, and reports medians:
   eager backend's bind), of which ``plan_module_us`` is FlashInfer's compiled plan call, when the
   planned path records one, ``prepare_us`` the replans (the plan less the launchers' lookup),
   and within them ``graph_plan_us`` / ``device_plan_us`` / ``after_us`` the balanced schedule's
-  hooks (asked before and after the module plan) and ``replan_rest_us`` the replans' own work;
+  hooks (asked before and after the module plan; ``hooks_us`` the three together) and
+  ``replan_rest_us`` the replans' own work;
 - ``attention_launch_us`` / ``graph_launch_us``: one attention launch / one graph launch, the
   median over the layers, and ``copy_us`` for any other step;
 - ``total_us``: the replay's host time, start to return (the steps and the stamps).
@@ -35,9 +36,7 @@ import torch
 ns = time.perf_counter_ns
 
 
-def _replan_timer(
-    runner: Any, bucket: int, name: str = "_call"
-) -> tuple[list[int], Callable[[], None]]:
+def _replan_timer(runner: Any, bucket: int, name: str) -> tuple[list[int], Callable[[], None]]:
     """Wrap one callable of each of the planned path's replans of ``bucket`` to time its calls;
     the samples (ns) and the undo. ``_call``: the recorded FlashInfer module plan; ``_graph_plan``
     / ``_device_plan``: the schedule's planner graph / planner, each asked first (and declining
@@ -123,7 +122,7 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
 
     rows: dict[str, list[float]] = {k: [] for k in (
         "load_us", "head_us", "plan_us", "plan_module_us", "prepare_us", "planner_launch_us",
-        "graph_plan_us", "device_plan_us", "after_us", "replan_rest_us",
+        "graph_plan_us", "device_plan_us", "after_us", "hooks_us", "replan_rest_us",
         "attention_launch_us", "graph_launch_us", "copy_us", "first_attention_us",
         "total_us")}  # fmt: skip
     try:
@@ -169,6 +168,7 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
                 got = parts[name][0]
                 hooks += sum(got)
                 rows[key].append(sum(got) / 1e3 if got else float("nan"))
+            rows["hooks_us"].append(hooks / 1e3 if prepare_ns else float("nan"))
             rows["replan_rest_us"].append(
                 (sum(prepare_ns) - sum(module_ns) - hooks) / 1e3 if prepare_ns else float("nan")
             )
@@ -196,8 +196,6 @@ def row(backend: str, bucket: int, s: dict[str, float]) -> str:
         v = s.get(k)
         return f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
 
-    hooks = [s[k] for k in ("graph_plan_us", "device_plan_us", "after_us") if k in s]
-    s = {**s, "hooks_us": sum(v for v in hooks if v == v)} if hooks else s  # NaN: not hooked
     return (f"{backend:>13} {bucket:>6} {f('load_us')} {f('head_us')} {f('plan_us')} "
             f"{f('plan_module_us', 7)} {f('prepare_us', 7)} {f('planner_launch_us', 7)} "
             f"{f('hooks_us')} {f('replan_rest_us')} "
