@@ -13,8 +13,9 @@ step, from an idle device, and reports medians:
 - ``plan_us``: this forward's attention launches resolved (the plan of the planned path, or the
   eager backend's bind), of which ``plan_module_us`` is FlashInfer's compiled plan call, when the
   planned path records one, ``prepare_us`` the replans (the plan less the launchers' lookup),
-  and within them ``graph_plan_us`` / ``device_plan_us`` / ``after_us`` the balanced schedule's
-  hooks (asked before and after the module plan; ``hooks_us`` the three together) and
+  and within them ``hooks_act_us`` / ``graph_plan_us`` / ``device_plan_us`` / ``after_us`` the
+  balanced schedule's hooks (whether any acts on this plan; the planner graph and planner asked
+  before the module plan, the look at its schedule after; ``hooks_us`` all together) and
   ``replan_rest_us`` the replans' own work;
 - ``attention_launch_us`` / ``graph_launch_us``: one attention launch / one graph launch, the
   median over the layers, and ``copy_us`` for any other step;
@@ -38,10 +39,11 @@ ns = time.perf_counter_ns
 
 def _replan_timer(runner: Any, bucket: int, name: str) -> tuple[list[int], Callable[[], None]]:
     """Wrap one callable of each of the planned path's replans of ``bucket`` to time its calls;
-    the samples (ns) and the undo. ``_call``: the recorded FlashInfer module plan; ``_graph_plan``
-    / ``_device_plan``: the schedule's planner graph / planner, each asked first (and declining
-    where the plan has at most an item per CTA); ``_after``: the schedule's look at the plan
-    FlashInfer made."""
+    the samples (ns) and the undo. ``_call``: the recorded FlashInfer module plan;
+    ``_hooks_act``: whether the schedule's hooks act on this plan (where not, none of the others
+    is asked); ``_graph_plan`` / ``_device_plan``: the schedule's planner graph / planner, each
+    asked first (and declining where the plan has at most an item per CTA); ``_after``: the
+    schedule's look at the plan FlashInfer made."""
     samples: list[int] = []
     planned = getattr(getattr(runner, "attention", None), "planned", None)
     replans = getattr(planned, "_replans", {}) if planned is not None else {}
@@ -87,9 +89,54 @@ def _timer(
     return samples, undo
 
 
-def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[str, float] | None:
+def _replans(runner: Any, bucket: int) -> list[Any]:
+    planned = getattr(getattr(runner, "attention", None), "planned", None)
+    replans = getattr(planned, "_replans", {}) if planned is not None else {}
+    return [r for key, r in replans.items() if key[0] == bucket]
+
+
+def checks_hooks(runner: Any, bucket: int) -> bool:
+    """Whether a replan of ``bucket`` asks first if the schedule's hooks act on its plan (where
+    ``ask_every_hook`` changes what :func:`host_steps` times)."""
+    return any(getattr(r, "_hooks_act", None) is not None for r in _replans(runner, bucket))
+
+
+def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
+    """The replans' own host work (``replan_rest_us``) op by op, each timed alone on the
+    bucket's replans after their last plan, median us over ``iters`` (summed over the replans):
+    ``indptr_copy_us`` the indptrs' pinned upload, ``mark_us`` the event recorded after a plan's
+    copies, ``wait_us`` the next plan's wait on it (done: a query), ``info_check_us`` the plan
+    info's comparison. What the rest has beyond these is Python (the host indptrs, the calls)."""
+    replans = [r for r in _replans(runner, bucket) if getattr(r, "_copied", None) is not None]
+    if not replans or runner.device.type != "cuda":
+        return {}
+    ops: dict[str, Callable[[Any], object]] = {
+        "indptr_copy_us": lambda r: r.indptrs.copy_(r.host_indptrs, non_blocking=True),
+        "mark_us": lambda r: r._copied.record(),
+        "wait_us": lambda r: r._copied.synchronize(),
+        "info_check_us": lambda r: bool(r.wrapper._plan_info == r._info),
+    }
+    out: dict[str, float] = {}
+    for key, op in ops.items():
+        per: list[int] = []
+        for _ in range(iters + 2):
+            torch.cuda.synchronize()
+            t = ns()
+            for r in replans:
+                op(r)
+            per.append(ns() - t)
+        torch.cuda.synchronize()
+        out[key] = round(statistics.median(per[2:]) / 1e3, 2)
+    return out
+
+
+def host_steps(
+    runner: Any, batch: Any, bucket: int, iters: int = 20, ask_every_hook: bool = False
+) -> dict[str, float] | None:
     """Median host microseconds of each step of ``runner``'s replay of ``bucket`` over
-    ``batch``; ``None`` for a runner without a replay tape (``full``, eager)."""
+    ``batch``; ``None`` for a runner without a replay tape (``full``, eager). ``ask_every_hook``:
+    the replans ask each of the schedule's hooks even where none acts on the plan (their path
+    before the ``_hooks_act`` check: side by side with it, what that check saves)."""
     captured = getattr(runner, "_captured", {}).get(bucket)
     tape = getattr(captured, "tape", captured)
     if tape is None or not hasattr(tape, "_tail") or not hasattr(runner, "attention"):
@@ -106,7 +153,7 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
     # of the replans (``replan_rest_us``) is their own host work: the wait on the last plan's
     # copies, the host indptrs, the indptr copy's launch, the plan info's check
     parts = {k: _replan_timer(runner, bucket, k) for k in (
-        "_call", "_graph_plan", "_device_plan", "_after")}  # fmt: skip
+        "_call", "_hooks_act", "_graph_plan", "_device_plan", "_after")}  # fmt: skip
     module_ns = parts["_call"][0]
     planned = getattr(runner.attention, "planned", None)
     # the plan step's parts: the replans (prepare) and, inside them, the device planner's
@@ -114,15 +161,23 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
     prepare_ns, restore_prepare = _timer(planned, "prepare")
     launch_ns, restore_launch = _timer(getattr(planned, "balance", None), "_queue_plan")
 
+    skipped = [r for r in _replans(runner, bucket) if ask_every_hook and r._hooks_act is not None]
+    checks = [r._hooks_act for r in skipped]
+    for r in skipped:
+        r._hooks_act = None
+
     def restore() -> None:
         for _, undo in parts.values():
             undo()
         restore_prepare()
         restore_launch()
+        for r, check in zip(skipped, checks, strict=True):
+            r._hooks_act = check
 
     rows: dict[str, list[float]] = {k: [] for k in (
         "load_us", "head_us", "plan_us", "plan_module_us", "prepare_us", "planner_launch_us",
-        "graph_plan_us", "device_plan_us", "after_us", "hooks_us", "replan_rest_us",
+        "hooks_act_us", "graph_plan_us", "device_plan_us", "after_us", "hooks_us",
+        "replan_rest_us",
         "attention_launch_us", "graph_launch_us", "copy_us", "first_attention_us",
         "total_us")}  # fmt: skip
     try:
@@ -163,8 +218,10 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
             rows["prepare_us"].append(sum(prepare_ns) / 1e3 if prepare_ns else float("nan"))
             rows["planner_launch_us"].append(sum(launch_ns) / 1e3 if launch_ns else float("nan"))
             hooks = 0
-            for key, name in (("graph_plan_us", "_graph_plan"), ("device_plan_us", "_device_plan"),
-                              ("after_us", "_after")):  # fmt: skip
+            for key, name in (
+                ("hooks_act_us", "_hooks_act"), ("graph_plan_us", "_graph_plan"),
+                ("device_plan_us", "_device_plan"), ("after_us", "_after"),
+            ):  # fmt: skip
                 got = parts[name][0]
                 hooks += sum(got)
                 rows[key].append(sum(got) / 1e3 if got else float("nan"))
@@ -183,12 +240,21 @@ def host_steps(runner: Any, batch: Any, bucket: int, iters: int = 20) -> dict[st
         restore()
     out = {k: round(statistics.median(v), 2) for k, v in rows.items() if v}
     out["steps"] = len(ops)
+    out.update(replan_ops(runner, bucket, iters))
     return out
 
 
 HEADER = (f"{'backend':>13} {'bucket':>6} {'load':>6} {'head':>6} {'plan':>6} {'module':>7} "
           f"{'prepare':>7} {'planner':>7} {'hooks':>6} {'rest':>6} "
           f"{'1st attn':>8} {'attn':>6} {'graph':>6} {'total':>7}")  # fmt: skip
+
+
+def ops_row(s: dict[str, float]) -> str:
+    """The replans' own ops (:func:`replan_ops`) of one row, or "" where not timed."""
+    names = {"indptr_copy_us": "indptr copy", "mark_us": "mark", "wait_us": "wait",
+             "info_check_us": "info check"}  # fmt: skip
+    got = [f"{n} {s[k]:.1f}" for k, n in names.items() if k in s]
+    return f"{'':>20} the rest's ops alone: " + ", ".join(got) if got else ""
 
 
 def row(backend: str, bucket: int, s: dict[str, float]) -> str:

@@ -38,7 +38,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.host_speed import ThreadWatch, host_speed, python_loop_us, speed_line, summary
 from benchmarks.host_steps import HEADER as STEPS_HEADER
-from benchmarks.host_steps import host_steps
+from benchmarks.host_steps import checks_hooks, host_steps, ops_row
 from benchmarks.host_steps import row as steps_row
 from benchmarks.targets import report, verdicts
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
@@ -572,6 +572,10 @@ def main() -> int:
                     steps = host_steps(worker.runner, batch, b, args.iters)
                     if steps is not None:
                         row[f"{backend}_host_steps"] = steps
+                        if checks_hooks(worker.runner, b):  # what the check saves, beside
+                            row[f"{backend}_host_steps_every_hook"] = host_steps(
+                                worker.runner, batch, b, args.iters, ask_every_hook=True
+                            )
                 if b == args.profile and cuda:  # the CUDA profiler's kernels
                     profile(f"{backend} bucket {b}", graph_step, args.profile_rows)
                     if f"eager_profiled_{b}" not in row:
@@ -670,6 +674,10 @@ def main() -> int:
             for be in backends:
                 if f"{be}_host_steps" in rows[b]:
                     print(steps_row(be, b, rows[b][f"{be}_host_steps"]))
+                    if ops := ops_row(rows[b][f"{be}_host_steps"]):
+                        print(ops)
+                if f"{be}_host_steps_every_hook" in rows[b]:  # each hook asked: the old path
+                    print(steps_row(f"{be[:9]} all", b, rows[b][f"{be}_host_steps_every_hook"]))
     print("this process's host (benchmarks/host_speed.py), at start and after each backend:")
     for when, speed in speeds.items():
         print(f"  {when}: {speed_line(speed)}")

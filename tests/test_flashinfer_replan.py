@@ -219,6 +219,37 @@ def test_a_plan_replayed_as_one_graph_copies_nothing_itself_and_waits_before_the
     assert event.waits == 2  # each later plan waited for the previous one's reads
 
 
+def test_a_plan_no_hook_acts_on_asks_none_of_them_and_is_planned_by_flashinfers_module():
+    """Where the schedule's check says none of its hooks acts on a plan (at most an item per
+    CTA: FlashInfer's schedule kept as made), the replan asks neither the planner graph nor the
+    planner nor the look after the plan, and the module schedules it; a plan the check passes
+    asks them as before."""
+    indptrs = torch.zeros(2, S + 1, dtype=torch.int32)
+    w = Wrapper(indptrs)
+    asked: list[str] = []
+
+    def hook(name: str, answer: bool):
+        def call(*args: object) -> bool:
+            asked.append(name)
+            return answer
+
+        return call
+
+    r = RaggedReplan(
+        w, indptrs, lambda qo: w.plan(qo, qo), after=hook("after", False),
+        device_plan=hook("device_plan", False), graph_plan=hook("graph_plan", False),
+        hooks_act=lambda lengths: int(lengths.sum()) > 32,  # stands in for "more items than CTAs"
+    )  # fmt: skip
+    r(np.array([40, 24, 0, 0]))  # the first plan: FlashInfer's, then the look after it
+    assert asked == ["after"] and len(w.scheduled) == 2
+    asked.clear()
+    r(np.array([8, 8, 0, 0]))
+    assert r.fast and asked == [] and len(w.scheduled) == 3
+    assert indptrs.tolist() == [offsets([8, 8, 0, 0])] * 2 and w._plan_info == w.info
+    r(np.array([30, 20, 10, 0]))  # the check passes: every hook asked, in order
+    assert r.fast and asked == ["graph_plan", "device_plan", "after"] and len(w.scheduled) == 4
+
+
 class _GraphWrapper:
     """What FlashInferGraphAttention asks of a CUDA-graph ragged wrapper before any plan."""
 
@@ -255,6 +286,14 @@ def test_a_balanced_segment_bucket_that_cannot_need_the_schedule_replans_as_flas
     bufs = GraphPlanBuffers.allocate(8, 2048, torch.device("cpu"))
     segment = attention(defer=False)
     assert segment._replan(256, shape, bufs)._after is None
-    assert segment._replan(2048, shape, bufs)._after is not None
+    at_2048 = segment._replan(2048, shape, bufs)
+    assert at_2048._after is not None
+    # each plan checked first: one request of 1,024 tokens is 96 items (none acts), 2,048 is 192
+    assert not at_2048._hooks_act(np.array([1024, 0, 0, 0, 0, 0, 0, 0]))
+    assert at_2048._hooks_act(np.array([2048, 0, 0, 0, 0, 0, 0, 0]))
+    assert segment.balance.kept == 1  # the plan no hook acts on counts as kept, as before
+    segment.balance.small_plans_on_device = True  # then the planner graph takes small plans too
+    assert at_2048._hooks_act(np.array([1024, 0, 0, 0, 0, 0, 0, 0]))
     full = attention(defer=True)
     assert full._replan(256, shape, bufs)._after is not None
+    assert full._replan(2048, shape, bufs)._hooks_act is None  # its graph deals every plan

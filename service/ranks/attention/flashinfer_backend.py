@@ -471,9 +471,15 @@ class FlashInferGraphAttention(FlashInferBase):
                 def after(same: bool) -> None:
                     self._balanced(wrapper, shape, same)
 
+            hooks_act = None
+            if balance is not None and not self._defer:  # full's graph deals every plan
+
+                def hooks_act(lengths: np.ndarray) -> bool:
+                    return balance.may_deal_plan(shape.num_heads, shape.head_dim, lengths)
+
             got = self._replans[key] = RaggedReplan(
                 wrapper, bufs.indptrs, plan, after=after, device_plan=device_plan,
-                graph_plan=graph_plan,
+                graph_plan=graph_plan, hooks_act=hooks_act,
             )  # fmt: skip
         return got
 

@@ -45,6 +45,7 @@ class RaggedReplan:
         after: Callable[[bool], object] | None = None,
         device_plan: Callable[[np.ndarray], bool] | None = None,
         graph_plan: Callable[[np.ndarray], bool] | None = None,
+        hooks_act: Callable[[np.ndarray], bool] | None = None,
     ) -> None:
         self.wrapper = wrapper
         self.indptrs = indptrs
@@ -61,6 +62,9 @@ class RaggedReplan:
         # (host_indptrs) to the device and plans there (sm90_schedule's replay_plan), told this
         # plan's slot lengths before anything is copied: False where it did not
         self._graph_plan = graph_plan
+        # told a later plan's slot lengths first: False where graph_plan, device_plan and after
+        # would all decline it (FlashInfer's schedule kept as made), and none is asked
+        self._hooks_act = hooks_act
         self._call: Callable[[], Any] | None = None  # the module's plan, arguments bound
         self._info: Any = None  # the first plan's info, as the module returned it
         self._recorded = False  # the first plan was made, its module call recorded if it could
@@ -104,12 +108,13 @@ class RaggedReplan:
             if self._after is not None:
                 self._after(False)
             return
-        if self._graph_plan is not None and self._graph_plan(lengths):
+        hooks = self._hooks_act is None or self._hooks_act(lengths)
+        if hooks and self._graph_plan is not None and self._graph_plan(lengths):
             self._mark_copied()  # the graph's copy reads our buffer
             self.fast = True
             return
         self.indptrs.copy_(both, non_blocking=True)  # the buffers the captured kernels read
-        if self._device_plan is not None and self._device_plan(lengths):
+        if hooks and self._device_plan is not None and self._device_plan(lengths):
             # the schedule is written on the device from those buffers; the plan info and every
             # buffer the kernels read stay the first plan's
             self._mark_copied()
@@ -130,7 +135,7 @@ class RaggedReplan:
             )
         self.wrapper._plan_info = info
         self.fast = True
-        if self._after is not None:
+        if hooks and self._after is not None:
             self._after(True)
 
     @property

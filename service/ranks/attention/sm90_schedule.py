@@ -213,6 +213,20 @@ class SM90Rebalance:
         the planner graph after each plan would be host time for nothing."""
         return max_item_count(num_tokens, num_slots, heads, tile_rows(head_dim)) > self.num_ctas
 
+    def may_deal_plan(self, heads: int, head_dim: int, lengths: np.ndarray) -> bool:
+        """Whether a segment backend's replan of request slots of these query ``lengths`` can
+        take the planner or a rewrite: more items than CTAs, or small plans on the device. False
+        (counted as kept) where every hook after the module's plan would decline, so the replan
+        asks none of them (each looked its layout up again to decline: host time before the
+        first attention at small buckets). The count is the one :meth:`replay_plan` and
+        :meth:`plan` decide on."""
+        if self.small_plans_on_device or item_count(lengths, heads, tile_rows(head_dim)) > (
+            self.num_ctas
+        ):
+            return True
+        self.kept += 1
+        return False
+
     def plan(
         self,
         wrapper: Any,
