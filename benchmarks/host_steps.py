@@ -130,6 +130,73 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
     return out
 
 
+def line_costs(
+    runner: Any, batch: Any, bucket: int, iters: int = 20, top: int = 8
+) -> list[tuple[str, float]]:
+    """Where the plan step's host time goes, line by line: the replay's steps up to the first
+    attention call, with a line tracer on the planned path's ``prepare`` and the replan's call
+    while this forward's launches are resolved; each line's mean microseconds per replay
+    (inclusive of what it calls), the ``top`` most, as ``(function:line source, us)``. The
+    tracer adds about a microsecond per traced line and a little per call, so a line far above
+    its neighbours is where the time is, not its exact cost. Empty where there is no planned
+    path."""
+    import linecache
+    import sys
+
+    from service.ranks.attention.flashinfer_replan import RaggedReplan
+
+    captured = getattr(runner, "_captured", {}).get(bucket)
+    tape = getattr(captured, "tape", captured)
+    planned = getattr(getattr(runner, "attention", None), "planned", None)
+    if tape is None or planned is None or not hasattr(tape, "_tail"):
+        return []
+    targets = {type(planned).prepare.__code__, RaggedReplan.__call__.__code__}
+    totals: dict[tuple[str, int, str], int] = {}
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code not in targets:
+            return None
+        code = frame.f_code
+        state = [frame.f_lineno, ns()]
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            now = ns()
+            key = (code.co_name, state[0], code.co_filename)
+            totals[key] = totals.get(key, 0) + now - state[1]
+            state[0] = frame.f_lineno
+            state[1] = ns()  # the tracer's own time left out
+            return local
+
+        return local
+
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    for i in range(iters + 2):
+        sync()
+        if i == 2:
+            totals.clear()  # the first two warm up
+        view = runner.attention.load(runner.buffers, batch, bucket)
+        for op in tape._head:
+            op()
+        sys.settrace(tracer)
+        try:
+            launches = runner.attention.launches(view, bucket, tape.calls)
+        finally:
+            sys.settrace(None)
+        ops = list(tape._tail)
+        for at, launch in zip(tape._tail_attend_at, launches, strict=True):
+            ops[at] = launch
+        for op in ops:
+            op()
+        for g in tape.graphs:
+            g.replays += 1
+    sync()
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return [
+        (f"{name}:{line} {linecache.getline(path, line).strip()[:60]}", round(t / iters / 1e3, 2))
+        for (name, line, path), t in ranked
+    ]
+
+
 def host_steps(
     runner: Any, batch: Any, bucket: int, iters: int = 20, ask_every_hook: bool = False
 ) -> dict[str, float] | None:

@@ -38,7 +38,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.host_speed import ThreadWatch, host_speed, python_loop_us, speed_line, summary
 from benchmarks.host_steps import HEADER as STEPS_HEADER
-from benchmarks.host_steps import checks_hooks, host_steps, ops_row
+from benchmarks.host_steps import checks_hooks, host_steps, line_costs, ops_row
 from benchmarks.host_steps import row as steps_row
 from benchmarks.targets import report, verdicts
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
@@ -572,6 +572,9 @@ def main() -> int:
                     steps = host_steps(worker.runner, batch, b, args.iters)
                     if steps is not None:
                         row[f"{backend}_host_steps"] = steps
+                        row[f"{backend}_plan_lines"] = line_costs(
+                            worker.runner, batch, b, args.iters
+                        )
                         if checks_hooks(worker.runner, b):  # what the check saves, beside
                             row[f"{backend}_host_steps_every_hook"] = host_steps(
                                 worker.runner, batch, b, args.iters, ask_every_hook=True
@@ -676,6 +679,8 @@ def main() -> int:
                     print(steps_row(be, b, rows[b][f"{be}_host_steps"]))
                     if ops := ops_row(rows[b][f"{be}_host_steps"]):
                         print(ops)
+                for where, us in rows[b].get(f"{be}_plan_lines", []):
+                    print(f"{'':>20} {us:>6.1f}  {where}")
                 if f"{be}_host_steps_every_hook" in rows[b]:  # each hook asked: the old path
                     print(steps_row(f"{be[:9]} all", b, rows[b][f"{be}_host_steps_every_hook"]))
     print("this process's host (benchmarks/host_speed.py), at start and after each backend:")

@@ -221,6 +221,43 @@ def test_host_steps_times_a_real_replay_of_the_bucket(backend):
     assert host_steps(w.eager_runner, batch, bucket) is None  # no tape: nothing to split
 
 
+def test_line_costs_finds_the_line_of_the_plan_that_takes_the_time():
+    """``host_steps.line_costs`` (the GPU call's line-by-line plan step) traces the planned
+    path's prepare and the replan's call while the replay resolves its launches. Its output means
+    something only if the time lands on the line that spent it: here the module's plan (a
+    stand-in that sleeps 2 ms, far above any traced line) must come first, at its own line."""
+    import time
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    from benchmarks.host_steps import line_costs
+    from tests.test_flashinfer_replan import replan
+
+    r = replan()[0]
+    r(np.array([40, 24, 0, 0]))  # the first plan: the module call recorded
+    call = r._call
+    r._call = lambda: (time.sleep(0.002), call())[1]
+
+    class Planned:
+        def prepare(self, view: object, bucket: int, variant: str, slots: int) -> None:
+            r(np.array([200, 56, 0, 0]))
+
+    planned = Planned()
+    attention = NS(
+        planned=planned, load=lambda *a: None,
+        launches=lambda view, bucket, calls: (planned.prepare(view, bucket, "ragged", 4), [])[1],
+    )  # fmt: skip
+    tape = NS(_head=[], _tail=[], _tail_attend_at=[], graphs=[], calls=None)
+    runner = NS(_captured={256: tape}, attention=attention, device=torch.device("cpu"))
+    runner.buffers = None
+    got = line_costs(runner, None, 256, iters=5, top=3)
+    assert got[0][0].startswith("prepare:") and got[0][1] >= 2000  # inclusive of the replan
+    assert got[1][0].startswith("__call__:") and "self._call()" in got[1][0] and got[1][1] >= 2000
+    assert got[2][1] < 1000  # no other line near it
+    assert line_costs(NS(_captured={}), None, 256) == []  # nothing captured: nothing traced
+
+
 def test_the_gpu_call_runs_every_test_file_that_has_gpu_tests():
     """``gpu_run.sh tests`` names its test files (the Ray wheels do not travel to the GPU
     machine, so it cannot collect the whole folder): a new file of ``gpu``-marked tests left out

@@ -21,6 +21,7 @@ from service.ranks.attention.sm90_balance import (
     max_item_count,
     rebalanced,
     snake,
+    tile_rows,
 )
 
 H100_SMS = 132
@@ -133,6 +134,28 @@ def test_no_batch_of_a_bucket_has_more_items_than_its_bound_and_one_batch_has_th
     filled = min(slots, tokens)  # the batch that attains it: single rows, the rest in one
     worst = np.array([1] * (filled - 1) + [tokens - filled + 1])
     assert item_count(worst, heads, rows) == bound
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4096), min_size=1, max_size=16), st.sampled_from([1, 12, 16]),
+    st.sampled_from([64, 128]), st.sampled_from([78, 132]), st.booleans(),
+)  # fmt: skip
+def test_a_replan_asks_the_hooks_exactly_for_plans_with_more_items_than_ctas(
+    lengths, heads, head_dim, ctas, small_on_device
+):
+    """The per-plan check (its own count, in plain Python) against the count the hooks decide
+    on: one that said no to a plan with more items than CTAs would leave it undealt, one that
+    said yes to a smaller one would pay the hooks for nothing; small plans on the device (the
+    planner graph takes them too) always ask."""
+    from service.ranks.attention.sm90_schedule import SM90Rebalance
+
+    balance = SM90Rebalance(torch.device("cpu"), num_ctas=ctas)
+    balance.small_plans_on_device = small_on_device
+    lens = np.array(lengths, dtype=np.int64)
+    want = small_on_device or item_count(lens, heads, tile_rows(head_dim)) > ctas
+    assert balance.may_deal_plan(heads, head_dim, lens) == want
+    assert balance.kept == (0 if want else 1)
 
 
 def test_a_rank_skips_the_schedule_only_for_buckets_that_cannot_need_it():
