@@ -106,25 +106,65 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
     bucket's replans after their last plan, median us over ``iters`` (summed over the replans):
     ``indptr_copy_us`` the indptrs' pinned upload, ``mark_us`` the event recorded after a plan's
     copies, ``wait_us`` the next plan's wait on it (done: a query), ``info_check_us`` the plan
-    info's comparison. What the rest has beyond these is Python (the host indptrs, the calls)."""
+    info's comparison. What the rest has beyond these is Python (the host indptrs, the calls).
+
+    Then the same ops right after another, as in the replay (the other not timed; the device
+    synchronized before each pair): ``mark_after_module_us`` the mark after FlashInfer's module
+    plan (which queues its schedule's copy), ``mark_after_copy_us`` after the indptr copy,
+    ``mark_after_head_us`` / ``copy_after_head_us`` / ``module_after_head_us`` after the first
+    segment's graph launch (the replay's step before the plan), ``mark_after_idle_us`` after
+    200 us of sleep; ``stream_us`` the current-stream lookup the mark makes, ``raw_mark_us``
+    the mark given its stream."""
     replans = [r for r in _replans(runner, bucket) if getattr(r, "_copied", None) is not None]
     if not replans or runner.device.type != "cuda":
         return {}
-    ops: dict[str, Callable[[Any], object]] = {
-        "indptr_copy_us": lambda r: r.indptrs.copy_(r.host_indptrs, non_blocking=True),
-        "mark_us": lambda r: r._copied.record(),
-        "wait_us": lambda r: r._copied.synchronize(),
-        "info_check_us": lambda r: bool(r.wrapper._plan_info == r._info),
+    captured = getattr(runner, "_captured", {}).get(bucket)
+    tape = getattr(captured, "tape", captured)
+    head = list(getattr(tape, "_head", []))
+
+    def nothing(r: Any) -> None:
+        pass
+
+    def launch_head(r: Any) -> None:
+        for op in head:
+            op()
+
+    def module(r: Any) -> object:
+        return r._call() if r._call is not None else None
+
+    def copy(r: Any) -> object:
+        return r.indptrs.copy_(r.host_indptrs, non_blocking=True)
+
+    def mark(r: Any) -> object:
+        return r._copied.record()
+
+    stream = torch.cuda.current_stream(runner.device)
+    ops: dict[str, tuple[Callable[[Any], object], Callable[[Any], object]]] = {
+        "indptr_copy_us": (nothing, copy),
+        "mark_us": (nothing, mark),
+        "wait_us": (nothing, lambda r: r._copied.synchronize()),
+        "info_check_us": (nothing, lambda r: bool(r.wrapper._plan_info == r._info)),
+        "mark_after_module_us": (module, mark),
+        "mark_after_copy_us": (copy, mark),
+        "mark_after_head_us": (launch_head, mark),
+        "copy_after_head_us": (launch_head, copy),
+        "module_after_head_us": (launch_head, module),
+        "mark_after_idle_us": (lambda r: time.sleep(2e-4), mark),
+        "stream_us": (nothing, lambda r: torch.cuda.current_stream()),
+        "raw_mark_us": (nothing, lambda r: r._copied.record(stream)),
     }
     out: dict[str, float] = {}
-    for key, op in ops.items():
+    for key, (setup, op) in ops.items():
         per: list[int] = []
         for _ in range(iters + 2):
             torch.cuda.synchronize()
-            t = ns()
+            took = 0
             for r in replans:
+                setup(r)
+                t = ns()
                 op(r)
-            per.append(ns() - t)
+                took += ns() - t
+            per.append(took)
         torch.cuda.synchronize()
         out[key] = round(statistics.median(per[2:]) / 1e3, 2)
     return out
@@ -321,7 +361,17 @@ def ops_row(s: dict[str, float]) -> str:
     names = {"indptr_copy_us": "indptr copy", "mark_us": "mark", "wait_us": "wait",
              "info_check_us": "info check"}  # fmt: skip
     got = [f"{n} {s[k]:.1f}" for k, n in names.items() if k in s]
-    return f"{'':>20} the rest's ops alone: " + ", ".join(got) if got else ""
+    later = ("mark_after_module_us", "mark_after_copy_us", "mark_after_head_us",
+             "copy_after_head_us", "module_after_head_us", "mark_after_idle_us", "stream_us",
+             "raw_mark_us")  # fmt: skip
+    after = [f"{k.removesuffix('_us')} {s[k]:.1f}" for k in later if k in s]
+    if not got:
+        return ""
+    return (
+        f"{'':>20} the rest's ops alone: "
+        + ", ".join(got)
+        + (f"\n{'':>20} after another: " + ", ".join(after) if after else "")
+    )
 
 
 def row(backend: str, bucket: int, s: dict[str, float]) -> str:
