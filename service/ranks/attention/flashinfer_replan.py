@@ -76,6 +76,7 @@ class RaggedReplan:
         self._host, self._a = host_buffer(2 * n + (n - 1), torch.int32, cuda)
         self._both, self._kv_lens = self._host[: 2 * n].view(2, n), self._host[2 * n :]
         self._rows = self._a[: 2 * n].reshape(2, n)
+        self._rows[:, 0] = 0  # both indptrs start at 0; no plan writes that column
         # the last copies out of that buffer and out of the wrapper's pinned schedule buffer
         # (the module's plan writes it, then queues its upload): both must be done before they
         # are rewritten (a replan may come while the previous one's copies are still queued
@@ -93,8 +94,9 @@ class RaggedReplan:
         if self._pending and self._copied is not None:
             self._copied.synchronize()  # done long ago in steady state: a query, no wait
         rows, both, kv_lens = self._rows, self._both, self._kv_lens
-        rows[:, 0] = 0
-        np.cumsum(lengths, out=rows[0, 1:])
+        # the ufunc itself: np.cumsum's Python wrapper cost more than the sum (2.2 against
+        # 0.9 us on a dev CPU)
+        np.add.accumulate(lengths, out=rows[0, 1:], dtype=np.int32)
         rows[1] = rows[0]
         self._a[rows.size :] = lengths
         if self._call is None:
