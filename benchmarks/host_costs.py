@@ -2,6 +2,7 @@
 
     python benchmarks/host_costs.py layouts        # per-step host layouts, 32 decode requests
     python benchmarks/host_costs.py first-prefill  # first prefills after start-up, gc frozen or not
+    python benchmarks/host_costs.py replan         # a later plan's own host work (RaggedReplan)
 
 ``layouts`` times the per-step host work of a decode step of 32 requests with 300-331 cached
 tokens each: FlashInfer's paged layout, the batch's tensors, the request-row writes (CPU
@@ -65,6 +66,43 @@ def layouts() -> None:
         print(f"{name:>14}: {us:7.1f} us")
 
 
+def replan() -> None:
+    """A later plan of RaggedReplan (``full``'s and the segment backends' per-replay plan) on
+    CPU tensors, 8 slots, one request of 256 tokens, with a stand-in module call that returns at
+    once: the replan's own host work (the host indptrs, the copy call, the info check), without
+    FlashInfer or a device. Medians of 10 rounds of 5,000 calls."""
+    import statistics
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from service.ranks.attention.flashinfer_replan import RaggedReplan
+
+    slots = 8
+    indptrs = torch.zeros(2, slots + 1, dtype=torch.int32)
+    info = [3, 1, 4]
+
+    class Wrapper:  # FlashInfer's CUDA-graph ragged wrapper, as far as a plan goes
+        def plan(self, qo: torch.Tensor) -> None:
+            self._cached_module = module
+            kv = qo.to("cpu")
+            indptrs.copy_(torch.stack([qo, qo]))
+            self._plan_info = module.plan("ws", qo, kv, kv[1:] - kv[:-1], 64, slots)
+
+    module = SimpleNamespace(plan=lambda *args: list(info))
+    w = Wrapper()
+    r = RaggedReplan(w, indptrs, w.plan)
+    lens = np.zeros(slots, dtype=np.int64)
+    lens[0] = 256
+    r(lens)  # the first plan: recorded
+    if not getattr(r, "_call", None):
+        raise SystemExit("the replan did not record the stand-in's module call")
+    rounds = [per_call_us(lambda: r(lens), 5000) for _ in range(10)]
+    print(f"replan, 8 slots: {statistics.median(rounds):.2f} us (median of 10 rounds; "
+          f"min {min(rounds):.2f})")  # fmt: skip
+
+
 def first_prefill_child(mode: str, model_dir: str) -> None:
     import gc
 
@@ -101,11 +139,13 @@ def first_prefill() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["layouts", "first-prefill", "_child"])
+    p.add_argument("what", choices=["layouts", "replan", "first-prefill", "_child"])
     p.add_argument("args", nargs="*")
     a = p.parse_args()
     if a.what == "layouts":
         layouts()
+    elif a.what == "replan":
+        replan()
     elif a.what == "first-prefill":
         first_prefill()
     else:
