@@ -114,7 +114,9 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
     ``mark_after_head_us`` / ``copy_after_head_us`` / ``module_after_head_us`` after the first
     segment's graph launch (the replay's step before the plan), ``mark_after_idle_us`` after
     200 us of sleep; ``stream_us`` the current-stream lookup the mark makes, ``raw_mark_us``
-    the mark given its stream."""
+    the mark given its stream; ``python_after_sync_us`` / ``python_warm_us`` a fixed bit of
+    pure Python right after the synchronize / after running it 50 times (whether the host
+    thread starts each replay cold)."""
     replans = [r for r in _replans(runner, bucket) if getattr(r, "_copied", None) is not None]
     if not replans or runner.device.type != "cuda":
         return {}
@@ -138,6 +140,16 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
     def mark(r: Any) -> object:
         return r._copied.record()
 
+    def python(r: Any) -> int:  # a fixed bit of pure Python, a few microseconds
+        total = 0
+        for i in range(200):
+            total += i & 7
+        return total
+
+    def warm(r: Any) -> None:
+        for _ in range(50):
+            python(r)
+
     stream = torch.cuda.current_stream(runner.device)
     ops: dict[str, tuple[Callable[[Any], object], Callable[[Any], object]]] = {
         "indptr_copy_us": (nothing, copy),
@@ -152,6 +164,8 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
         "mark_after_idle_us": (lambda r: time.sleep(2e-4), mark),
         "stream_us": (nothing, lambda r: torch.cuda.current_stream()),
         "raw_mark_us": (nothing, lambda r: r._copied.record(stream)),
+        "python_after_sync_us": (nothing, python),
+        "python_warm_us": (warm, python),
     }
     out: dict[str, float] = {}
     for key, (setup, op) in ops.items():
@@ -363,7 +377,7 @@ def ops_row(s: dict[str, float]) -> str:
     got = [f"{n} {s[k]:.1f}" for k, n in names.items() if k in s]
     later = ("mark_after_module_us", "mark_after_copy_us", "mark_after_head_us",
              "copy_after_head_us", "module_after_head_us", "mark_after_idle_us", "stream_us",
-             "raw_mark_us")  # fmt: skip
+             "raw_mark_us", "python_after_sync_us", "python_warm_us")  # fmt: skip
     after = [f"{k.removesuffix('_us')} {s[k]:.1f}" for k in later if k in s]
     if not got:
         return ""

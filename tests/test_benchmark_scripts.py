@@ -258,6 +258,37 @@ def test_line_costs_finds_the_line_of_the_plan_that_takes_the_time():
     assert line_costs(NS(_captured={}), None, 256) == []  # nothing captured: nothing traced
 
 
+def test_replan_ops_times_each_op_it_prints_on_a_stand_in_cuda_runner(monkeypatch):
+    """``host_steps.replan_ops`` runs only on CUDA, inside a GPU call that a crash there would
+    waste; here its ops run on a CPU replan with CUDA's synchronize, stream and event stood in:
+    every key the printed row names comes back, and the replan still plans (its indptrs are the
+    last plan's)."""
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+
+    from benchmarks.host_steps import ops_row, replan_ops
+    from tests.test_flashinfer_replan import offsets, replan
+
+    r = replan()[0]
+    r(np.array([40, 24, 0, 0]))
+    recorded: list[object] = []
+    r._copied = NS(record=lambda stream=None: recorded.append(stream), synchronize=lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "stream")
+    heads: list[int] = []
+    tape = NS(_head=[lambda: heads.append(1)], graphs=[])
+    runner = NS(attention=NS(planned=NS(_replans={(256, "shape"): r, (512, "shape"): None})),
+                device=NS(type="cuda"), _captured={256: tape})  # fmt: skip
+    got = replan_ops(runner, 256, iters=3)
+    row = ops_row(got)
+    for key in got:
+        assert key.removesuffix("_us") in row.replace(" ", "_"), key
+    assert {"mark_after_module_us", "mark_after_head_us", "python_after_sync_us"} <= set(got)
+    assert heads and "stream" in recorded  # the head launched, the mark given its stream
+    assert r.indptrs.tolist() == [offsets([40, 24, 0, 0])] * 2
+
+
 def test_the_gpu_call_runs_every_test_file_that_has_gpu_tests():
     """``gpu_run.sh tests`` names its test files (the Ray wheels do not travel to the GPU
     machine, so it cannot collect the whole folder): a new file of ``gpu``-marked tests left out
