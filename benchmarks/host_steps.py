@@ -45,12 +45,10 @@ def _replan_timer(runner: Any, bucket: int, name: str) -> tuple[list[int], Calla
     asked first (and declining where the plan has at most an item per CTA); ``_after``: the
     schedule's look at the plan FlashInfer made."""
     samples: list[int] = []
-    planned = getattr(getattr(runner, "attention", None), "planned", None)
-    replans = getattr(planned, "_replans", {}) if planned is not None else {}
     undo = [
         _timer(replan, name, samples)[1]
-        for key, replan in replans.items()
-        if key[0] == bucket and getattr(replan, name, None) is not None
+        for replan in _replans(runner, bucket)
+        if getattr(replan, name, None) is not None
     ]
 
     def restore() -> None:
@@ -89,8 +87,28 @@ def _timer(
     return samples, undo
 
 
+def _planned(runner: Any) -> Any:
+    """The runner's planned attention path (FlashInfer's graph wrappers), or None."""
+    return getattr(getattr(runner, "attention", None), "planned", None)
+
+
+def _tape(runner: Any, bucket: int) -> Any:
+    """The replay tape of ``bucket`` (None where the runner keeps none: ``full``, eager)."""
+    captured = getattr(runner, "_captured", {}).get(bucket)
+    return getattr(captured, "tape", captured)
+
+
+def _tail(tape: Any, launches: Any) -> list[Callable[[], object]]:
+    """The tape's steps after the head, with this forward's attention launches in their
+    places: what a replay runs after the plan."""
+    ops = list(tape._tail)
+    for at, launch in zip(tape._tail_attend_at, launches, strict=True):
+        ops[at] = launch
+    return ops
+
+
 def _replans(runner: Any, bucket: int) -> list[Any]:
-    planned = getattr(getattr(runner, "attention", None), "planned", None)
+    planned = _planned(runner)
     replans = getattr(planned, "_replans", {}) if planned is not None else {}
     return [r for key, r in replans.items() if key[0] == bucket]
 
@@ -120,9 +138,7 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
     replans = [r for r in _replans(runner, bucket) if getattr(r, "_copied", None) is not None]
     if not replans or runner.device.type != "cuda":
         return {}
-    captured = getattr(runner, "_captured", {}).get(bucket)
-    tape = getattr(captured, "tape", captured)
-    head = list(getattr(tape, "_head", []))
+    head = list(getattr(_tape(runner, bucket), "_head", []))
 
     def nothing(r: Any) -> None:
         pass
@@ -199,9 +215,8 @@ def line_costs(
 
     from service.ranks.attention.flashinfer_replan import RaggedReplan
 
-    captured = getattr(runner, "_captured", {}).get(bucket)
-    tape = getattr(captured, "tape", captured)
-    planned = getattr(getattr(runner, "attention", None), "planned", None)
+    tape = _tape(runner, bucket)
+    planned = _planned(runner)
     if tape is None or planned is None or not hasattr(tape, "_tail"):
         return []
     targets = {type(planned).prepare.__code__, RaggedReplan.__call__.__code__}
@@ -236,10 +251,7 @@ def line_costs(
             launches = runner.attention.launches(view, bucket, tape.calls)
         finally:
             sys.settrace(None)
-        ops = list(tape._tail)
-        for at, launch in zip(tape._tail_attend_at, launches, strict=True):
-            ops[at] = launch
-        for op in ops:
+        for op in _tail(tape, launches):
             op()
         for g in tape.graphs:
             g.replays += 1
@@ -258,8 +270,7 @@ def host_steps(
     ``batch``; ``None`` for a runner without a replay tape (``full``, eager). ``ask_every_hook``:
     the replans ask each of the schedule's hooks even where none acts on the plan (their path
     before the ``_hooks_act`` check: side by side with it, what that check saves)."""
-    captured = getattr(runner, "_captured", {}).get(bucket)
-    tape = getattr(captured, "tape", captured)
+    tape = _tape(runner, bucket)
     if tape is None or not hasattr(tape, "_tail") or not hasattr(runner, "attention"):
         return None
     cuda = runner.device.type == "cuda"
@@ -276,7 +287,7 @@ def host_steps(
     parts = {k: _replan_timer(runner, bucket, k) for k in (
         "_call", "_hooks_act", "_graph_plan", "_device_plan", "_after")}  # fmt: skip
     module_ns = parts["_call"][0]
-    planned = getattr(runner.attention, "planned", None)
+    planned = _planned(runner)
     # the plan step's parts: the replans (prepare) and, inside them, the device planner's
     # Triton launch (SM90Rebalance._queue_plan); the rest is the launchers' lookup
     prepare_ns, restore_prepare = _timer(planned, "prepare")
@@ -315,9 +326,7 @@ def host_steps(
             t2 = ns()
             launches = runner.attention.launches(view, bucket, tape.calls)
             t3 = ns()
-            ops = list(tape._tail)
-            for i, launch in zip(tape._tail_attend_at, launches, strict=True):
-                ops[i] = launch
+            ops = _tail(tape, launches)
             first = None
             for op, kind in zip(ops, kinds, strict=True):
                 s = ns()
@@ -361,7 +370,6 @@ def host_steps(
         restore()
     out = {k: round(statistics.median(v), 2) for k, v in rows.items() if v}
     out["steps"] = len(ops)
-    out.update(replan_ops(runner, bucket, iters))
     return out
 
 

@@ -38,7 +38,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_clocks import ClockSampler
 from benchmarks.host_speed import ThreadWatch, host_speed, python_loop_us, speed_line, summary
 from benchmarks.host_steps import HEADER as STEPS_HEADER
-from benchmarks.host_steps import checks_hooks, host_steps, line_costs, ops_row
+from benchmarks.host_steps import checks_hooks, host_steps, line_costs, ops_row, replan_ops
 from benchmarks.host_steps import row as steps_row
 from benchmarks.targets import report, verdicts
 from benchmarks.timeline import HEADER as TIMELINE_HEADER
@@ -571,6 +571,8 @@ def main() -> int:
                 if b in steps_buckets:
                     steps = host_steps(worker.runner, batch, b, args.iters)
                     if steps is not None:
+                        # the replans' ops timed alone, once (not for the every-hook row)
+                        steps.update(replan_ops(worker.runner, b, args.iters))
                         row[f"{backend}_host_steps"] = steps
                         row[f"{backend}_plan_lines"] = line_costs(
                             worker.runner, batch, b, args.iters
