@@ -144,16 +144,18 @@ def test_no_batch_of_a_bucket_has_more_items_than_its_bound_and_one_batch_has_th
 def test_a_replan_asks_the_hooks_exactly_for_plans_with_more_items_than_ctas(
     lengths, heads, head_dim, ctas, small_on_device
 ):
-    """The per-plan check (its own count, in plain Python) against the count the hooks decide
-    on: one that said no to a plan with more items than CTAs would leave it undealt, one that
-    said yes to a smaller one would pay the hooks for nothing; small plans on the device (the
-    planner graph takes them too) always ask."""
+    """The per-plan check against FlashInfer's item count (one item per query tile, per
+    request, per head; numpy here, plain Python in the service): one that said no to a plan with
+    more items than CTAs would leave it undealt, one that said yes to a smaller one would pay
+    the hooks for nothing; small plans on the device (the planner graph takes them too) always
+    ask."""
     from service.ranks.attention.sm90_schedule import SM90Rebalance
 
     balance = SM90Rebalance(torch.device("cpu"), num_ctas=ctas)
     balance.small_plans_on_device = small_on_device
     lens = np.array(lengths, dtype=np.int64)
-    want = small_on_device or item_count(lens, heads, tile_rows(head_dim)) > ctas
+    items = heads * int(np.ceil(lens / tile_rows(head_dim)).sum())
+    want = small_on_device or items > ctas
     assert balance.may_deal_plan(heads, head_dim, lens) == want
     assert balance.kept == (0 if want else 1)
 

@@ -117,10 +117,13 @@ class Planned:
         return np.concatenate([self.block, self.batch[None, :]]).T
 
 
-def item_count(lengths: np.ndarray, heads: int, rows: int = CTA_TILE_Q) -> int:
+def item_count(lengths: np.ndarray | list[int], heads: int, rows: int = CTA_TILE_Q) -> int:
     """How many work items FlashInfer's SM90 plan makes of these query lengths (no cached
-    prefix): one per query tile, per request, per query head."""
-    return heads * int((-(-np.asarray(lengths, dtype=np.int64) // rows)).sum())
+    prefix): one per query tile, per request, per query head. Plain Python over the slots: it
+    runs at every replan, and numpy's ops on a few slots cost 12 us there on an H100's host
+    (docs/benchmarks.md, session 54)."""
+    values = lengths.tolist() if isinstance(lengths, np.ndarray) else lengths
+    return heads * int(sum(-(-n // rows) for n in values))
 
 
 def max_item_count(num_tokens: int, num_slots: int, heads: int, rows: int = CTA_TILE_Q) -> int:

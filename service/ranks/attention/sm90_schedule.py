@@ -219,13 +219,10 @@ class SM90Rebalance:
         (counted as kept) where every hook after the module's plan would decline, so the replan
         asks none of them (each looked its layout up again to decline: host time before the
         first attention at small buckets). The count is the one :meth:`replay_plan` and
-        :meth:`plan` decide on (:func:`item_count`), here in plain Python over a few slots:
-        item_count's numpy ops cost 12 us per plan on an H100's host (docs/benchmarks.md,
-        session 54)."""
-        if self.small_plans_on_device:
-            return True
-        rows = tile_rows(head_dim)
-        if heads * sum(-(-n // rows) for n in lengths.tolist()) > self.num_ctas:
+        :meth:`plan` decide on (:func:`item_count`)."""
+        if self.small_plans_on_device or (
+            item_count(lengths, heads, tile_rows(head_dim)) > self.num_ctas
+        ):
             return True
         self.kept += 1
         return False
