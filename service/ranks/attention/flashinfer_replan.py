@@ -94,8 +94,8 @@ class RaggedReplan:
         if self._pending and self._copied is not None:
             self._copied.synchronize()  # done long ago in steady state: a query, no wait
         rows, both, kv_lens = self._rows, self._both, self._kv_lens
-        # the ufunc itself: np.cumsum's Python wrapper cost more than the sum (2.2 against
-        # 0.9 us on a dev CPU)
+        # the ufunc itself: np.cumsum's Python wrapper cost more than the sum over a few slots
+        # (benchmarks/host_costs.py replan)
         np.add.accumulate(lengths, out=rows[0, 1:], dtype=np.int32)
         rows[1] = rows[0]
         self._a[rows.size :] = lengths
