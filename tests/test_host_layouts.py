@@ -95,8 +95,10 @@ def test_static_copy_pads_and_fills_sentinels(reqs, extra_tokens, extra_slots, s
     bucket, slots = t + extra_tokens, b + extra_slots
     bufs = PrefillStaticBuffers.allocate(bucket + 4, slots + 2, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
-    for t_ in (bufs.tokens, bufs.requests):  # stale values of an earlier replay
-        t_.copy_(torch.randint(1, 99, t_.shape, generator=g))
+    # stale values of an earlier replay: every token row through a real copy (the buffers track
+    # which rows they padded), the request rows written directly (copy_from rewrites them all)
+    bufs.copy_tokens(_random_batch(bucket + 4, g), bucket + 4)
+    bufs.requests.copy_(torch.randint(1, 99, bufs.requests.shape, generator=g))
     view = bufs.copy_from(batch, bucket, slots)
     assert view.input_ids.tolist() == batch.input_ids.tolist() + [0] * extra_tokens
     assert view.positions.tolist() == batch.positions.tolist() + [0] * extra_tokens
@@ -107,6 +109,66 @@ def test_static_copy_pads_and_fills_sentinels(reqs, extra_tokens, extra_slots, s
     assert view.prefix_lens.tolist() == list(layout.prefix_lens) + [0] * extra_slots
     assert view.extend_lens.tolist() == list(layout.extend_lens) + [0] * extra_slots
     assert view.extend_start_loc.tolist() == batch.extend_start_loc.tolist() + [t] * extra_slots
+
+
+def _random_batch(n: int, g: torch.Generator) -> ForwardBatch:
+    """One request of ``n`` tokens whose ids, positions and KV slots are random and non-zero
+    (never the pad token's)."""
+    layout = BatchLayout(ForwardMode.EXTEND, (0,), (0,), (n,))
+    batch = ForwardBatch.build(
+        layout, torch.randint(1, 99, (n,), generator=g).tolist(),
+        torch.randint(1, 99, (n,), generator=g).tolist(), torch.device("cpu"),
+    )  # fmt: skip
+    batch.positions.copy_(torch.randint(1, 99, (n,), generator=g))
+    return batch
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["tokens", "from", "synthetic"]), st.integers(1, 24),
+                          st.integers(0, 8)), min_size=1, max_size=8),
+       st.integers(0, 2**31))  # fmt: skip
+def test_padding_holds_over_any_sequence_of_copies_and_pads_only_dirty_rows(steps, seed):
+    """Over any sequence of replays (either copy) and captures, each replay's rows past its
+    tokens hold the pad token, and a copy pads only rows an earlier batch or capture wrote: a
+    batch no smaller than every token row written since the last pad copies once (a pad kept
+    unconditionally passes the first check and fails the count; a pad skipped wrongly fails
+    the first)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from service.padding import PADDING_SLOT
+    from service.ranks.runners.static_buffers import PrefillStaticBuffers
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token_copies = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            into = args[0] if args else None
+            if func is torch.ops.aten.copy_.default and into.dim() == 2 and into.shape[0] == 3:
+                self.token_copies += 1  # a copy into the (3, T) token rows
+            return func(*args, **(kwargs or {}))
+
+    bufs = PrefillStaticBuffers.allocate(32, 4, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    written = 0  # the highest token row holding anything but the pad token: a model of the rows
+    for kind, n, extra in steps:
+        bucket = min(n + extra, 32)
+        if kind == "synthetic":
+            bufs.load_synthetic((n,), n, 1)
+            written = max(written, n)
+            continue
+        batch = _random_batch(n, g)
+        with Copies() as mode:
+            view = (bufs.copy_tokens(batch, bucket) if kind == "tokens"
+                    else bufs.copy_from(batch, bucket, 2))  # fmt: skip
+        assert view.input_ids.tolist() == batch.input_ids.tolist() + [0] * (bucket - n)
+        assert view.positions.tolist() == batch.positions.tolist() + [0] * (bucket - n)
+        assert view.out_cache_loc.tolist() == (
+            batch.out_cache_loc.tolist() + [PADDING_SLOT] * (bucket - n)
+        )
+        assert mode.token_copies == (2 if min(bucket, written) > n else 1)
+        written = n if bucket >= written else max(written, n)
 
 
 def test_static_copy_refuses_a_batch_that_is_not_packed():
@@ -133,7 +195,9 @@ def test_token_copy_pads_the_token_rows_and_leaves_the_request_rows_alone(extra_
     batch = ForwardBatch.build(layout, list(range(100, 106)), list(range(200, 206)),
                                torch.device("cpu"))  # fmt: skip
     bufs = PrefillStaticBuffers.allocate(16, 4, torch.device("cpu"))
-    bufs.tokens.fill_(77)
+    stale = BatchLayout(ForwardMode.EXTEND, (0,), (0,), (16,))
+    bufs.copy_tokens(ForwardBatch.build(stale, [77] * 16, [77] * 16, torch.device("cpu")), 16)
+    bufs.positions.fill_(77)  # the stale batch's positions ran 0-15: one value past the bucket
     bufs.requests.fill_(55)
     bucket = 6 + extra_tokens
     view = bufs.copy_tokens(batch, bucket)

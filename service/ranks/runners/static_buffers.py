@@ -39,12 +39,17 @@ class PrefillStaticBuffers:
     _token_slices: dict[int, tuple[torch.Tensor, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    # [D]: every token row from D on holds the pad token. A batch's copy pads only the rows of
+    # its bucket a previous batch or capture left dirty: a batch no smaller than the last one
+    # copies once, not twice (one device op before each replay). A list, as the dataclass is
+    # frozen; allocate's zeros are the pad token (PADDING_SLOT is 0), so it starts at 0
+    _pad_from: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @staticmethod
     def allocate(max_tokens: int, max_requests: int, device: torch.device) -> PrefillStaticBuffers:
-        tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)
-        requests = torch.zeros(4, max_requests, dtype=torch.int64, device=device)
         pad = torch.tensor([[0], [0], [PADDING_SLOT]], dtype=torch.int64, device=device)
+        tokens = pad.expand(3, max_tokens).contiguous()  # every row padded: _pad_from 0
+        requests = torch.zeros(4, max_requests, dtype=torch.int64, device=device)
         return PrefillStaticBuffers(
             *tokens.unbind(0), *requests.unbind(0), tokens=tokens, requests=requests, pad_token=pad
         )
@@ -112,9 +117,20 @@ class PrefillStaticBuffers:
             raise ValueError("a replayed batch must be one built by ForwardBatch.build (packed)")
         # the batch's seven tensors are rows of (3, n) and (4, b) slices of one tensor
         self.tokens[:, :n].copy_(packed[: 3 * n].view(3, n))
-        if bucket > n:
-            self.tokens[:, n:bucket].copy_(self.pad_token.expand(3, bucket - n))
+        self._pad(n, bucket)
         return packed
+
+    def _pad(self, n: int, bucket: int) -> None:
+        """Rows ``n:bucket`` padded, rows ``:n`` just written with real tokens."""
+        dirty = self._pad_from[0]
+        if n >= dirty:
+            self._pad_from[0] = n
+            return
+        end = min(bucket, dirty)
+        if end > n:
+            self.tokens[:, n:end].copy_(self.pad_token.expand(3, end - n))
+        if end == dirty:  # every row past n is padded now
+            self._pad_from[0] = n
 
     def load_synthetic(
         self, capture_seq_lens: tuple[int, ...], bucket: int, num_slots: int
@@ -133,6 +149,8 @@ class PrefillStaticBuffers:
             starts.append(len(positions))
             positions.extend(range(n))
         k = len(real)
+        # synthetic positions are not the pad token's: the next real batch pads over them
+        self._pad_from[0] = max(self._pad_from[0], bucket)
         self.input_ids[:bucket].zero_()
         self.positions[:bucket].copy_(torch.tensor(positions, dtype=torch.int64))
         self.out_cache_loc[:bucket].fill_(PADDING_SLOT)
