@@ -3,6 +3,7 @@
     python benchmarks/host_costs.py layouts        # per-step host layouts, 32 decode requests
     python benchmarks/host_costs.py first-prefill  # first prefills after start-up, gc frozen or not
     python benchmarks/host_costs.py replan         # a later plan's own host work (RaggedReplan)
+    python benchmarks/host_costs.py load           # a replay's token copy, batch under its bucket
 
 ``layouts`` times the per-step host work of a decode step of 32 requests with 300-331 cached
 tokens each: FlashInfer's paged layout, the batch's tensors, the request-row writes (CPU
@@ -103,6 +104,41 @@ def replan() -> None:
           f"min {min(rounds):.2f})")  # fmt: skip
 
 
+def load() -> None:
+    """A replay's token-row copy into the static buffers (``copy_tokens``, the segment
+    backends' load) on CPU tensors, for batches of 200 and 256 tokens into bucket 256, the same
+    batch again and again (serving's steady state at one size): the copy's own host work, and
+    how many copies it makes into the token rows. Medians of 10 rounds of 5,000 calls."""
+    import statistics
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+    from service.ranks.runners.static_buffers import PrefillStaticBuffers
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten.copy_.default
+            return func(*args, **(kwargs or {}))
+
+    cpu = torch.device("cpu")
+    bufs = PrefillStaticBuffers.allocate(8192, 64, cpu)
+    for n in (200, 256):
+        layout = BatchLayout(ForwardMode.EXTEND, (0,), (0,), (n,))
+        batch = ForwardBatch.build(layout, list(range(n)), list(range(n)), cpu)
+        bufs.copy_tokens(batch, 256)
+        with Copies() as mode:
+            bufs.copy_tokens(batch, 256)
+        rounds = [per_call_us(lambda: bufs.copy_tokens(batch, 256), 5000) for _ in range(10)]  # noqa: B023
+        print(f"copy_tokens, {n} tokens into 256: {statistics.median(rounds):.2f} us (median of "
+              f"10 rounds; min {min(rounds):.2f}), {mode.n} copies")  # fmt: skip
+
+
 def first_prefill_child(mode: str, model_dir: str) -> None:
     import gc
 
@@ -139,13 +175,15 @@ def first_prefill() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["layouts", "replan", "first-prefill", "_child"])
+    p.add_argument("what", choices=["layouts", "replan", "load", "first-prefill", "_child"])
     p.add_argument("args", nargs="*")
     a = p.parse_args()
     if a.what == "layouts":
         layouts()
     elif a.what == "replan":
         replan()
+    elif a.what == "load":
+        load()
     elif a.what == "first-prefill":
         first_prefill()
     else:

@@ -304,3 +304,18 @@ def test_the_gpu_call_runs_every_test_file_that_has_gpu_tests():
     }
     assert marked, "no test file has gpu-marked tests: the pattern above is stale"
     assert marked <= listed, f"gpu_run.sh tests leaves out {sorted(marked - listed)}"
+
+
+def test_host_costs_times_the_replan_and_the_token_copy_it_names():
+    """``host_costs.py replan`` and ``load`` (the dev-CPU figures docs/benchmarks.md quotes) still
+    run, and ``load`` counts one copy into the token rows for a batch under its bucket of the
+    same size as the last (a pad copied every time reads 2)."""
+    for what in ("replan", "load"):
+        proc = run_script("benchmarks/host_costs.py", what)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        if what == "replan":
+            assert re.search(r"replan, 8 slots: [\d.]+ us", proc.stdout), proc.stdout
+        else:
+            got = re.findall(r"copy_tokens, (\d+) tokens into 256: [\d.]+ us .*, (\d+) copies",
+                             proc.stdout)  # fmt: skip
+            assert got == [("200", "1"), ("256", "1")], proc.stdout
