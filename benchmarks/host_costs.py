@@ -4,6 +4,7 @@
     python benchmarks/host_costs.py first-prefill  # first prefills after start-up, gc frozen or not
     python benchmarks/host_costs.py replan         # a later plan's own host work (RaggedReplan)
     python benchmarks/host_costs.py load           # a replay's token copy, batch under its bucket
+    python benchmarks/host_costs.py tracer         # what host_steps.line_costs adds to a line
 
 ``layouts`` times the per-step host work of a decode step of 32 requests with 300-331 cached
 tokens each: FlashInfer's paged layout, the batch's tensors, the request-row writes (CPU
@@ -26,6 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+# benchmarks.host_steps for ``tracer``; appended, so that a ``service`` first on PYTHONPATH
+# (another tree, for an A/B) is the one imported
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 MICRO = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 384, "hidden_size": 64,
@@ -67,12 +72,9 @@ def layouts() -> None:
         print(f"{name:>14}: {us:7.1f} us")
 
 
-def replan() -> None:
-    """A later plan of RaggedReplan (``full``'s and the segment backends' per-replay plan) on
-    CPU tensors, 8 slots, one request of 256 tokens, with a stand-in module call that returns at
-    once: the replan's own host work (the host indptrs, the copy call, the info check), without
-    FlashInfer or a device. Medians of 10 rounds of 5,000 calls."""
-    import statistics
+def _stand_in_replan():  # a RaggedReplan and its lengths
+    """A RaggedReplan of 8 slots on CPU tensors after its first plan, with a stand-in module
+    call that returns at once, and the lengths of one request of 256 tokens."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -99,9 +101,62 @@ def replan() -> None:
     r(lens)  # the first plan: recorded
     if not getattr(r, "_call", None):
         raise SystemExit("the replan did not record the stand-in's module call")
+    return r, lens
+
+
+def replan() -> None:
+    """A later plan of RaggedReplan (``full``'s and the segment backends' per-replay plan) on
+    CPU tensors, 8 slots, one request of 256 tokens, with a stand-in module call that returns at
+    once: the replan's own host work (the host indptrs, the copy call, the info check), without
+    FlashInfer or a device. Medians of 10 rounds of 5,000 calls."""
+    import statistics
+
+    r, lens = _stand_in_replan()
     rounds = [per_call_us(lambda: r(lens), 5000) for _ in range(10)]
     print(f"replan, 8 slots: {statistics.median(rounds):.2f} us (median of 10 rounds; "
           f"min {min(rounds):.2f})")  # fmt: skip
+
+
+def tracer() -> None:
+    """How much ``host_steps.line_costs``'s line tracer adds to a traced line whose callee runs
+    Python: the stand-in replan's module-call line, its callee first running torch's device
+    lookup (``torch.cuda._utils._get_device_index(None, optional=True)``, 15 Python frames: part
+    of what ``torch.cuda.Event.record()`` without a stream runs, through ``current_stream``),
+    traced against the same call untraced. Untraced: medians of 10 rounds of 5,000 calls;
+    traced: line_costs over 2,000 replays."""
+    import statistics
+    from types import SimpleNamespace as NS
+
+    import torch
+    from torch.cuda._utils import _get_device_index
+
+    from benchmarks.host_steps import line_costs
+
+    r, lens = _stand_in_replan()
+    call = r._call
+
+    def with_lookup() -> object:
+        _get_device_index(None, optional=True)
+        return call()
+
+    class Planned:
+        def prepare(self, view: object, bucket: int, variant: str, slots: int) -> None:
+            r(lens)
+
+    planned = Planned()
+    attention = NS(
+        planned=planned, load=lambda *a: None,
+        launches=lambda view, bucket, calls: (planned.prepare(view, bucket, "ragged", 8), [])[1],
+    )  # fmt: skip
+    tape = NS(_head=[], _tail=[], _tail_attend_at=[], graphs=[], calls=None)
+    runner = NS(_captured={256: tape}, attention=attention, device=torch.device("cpu"),
+                buffers=None)  # fmt: skip
+    for name, fn in (("the module call alone", call), ("with torch's device lookup", with_lookup)):
+        r._call = fn
+        untraced = statistics.median(per_call_us(fn, 5000) for _ in range(10))
+        lines = dict(line_costs(runner, None, 256, iters=2000, top=20))
+        traced = next(us for where, us in lines.items() if "self._call()" in where)
+        print(f"{name:>28}: untraced {untraced:5.2f} us, its line traced {traced:5.2f} us")
 
 
 def load() -> None:
@@ -175,7 +230,9 @@ def first_prefill() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["layouts", "replan", "load", "first-prefill", "_child"])
+    p.add_argument(
+        "what", choices=["layouts", "replan", "load", "tracer", "first-prefill", "_child"]
+    )
     p.add_argument("args", nargs="*")
     a = p.parse_args()
     if a.what == "layouts":
@@ -184,6 +241,8 @@ def main() -> None:
         replan()
     elif a.what == "load":
         load()
+    elif a.what == "tracer":
+        tracer()
     elif a.what == "first-prefill":
         first_prefill()
     else:

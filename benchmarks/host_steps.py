@@ -37,6 +37,27 @@ import torch
 ns = time.perf_counter_ns
 
 
+def waiter(device: torch.device, wait: str) -> Callable[[], None]:
+    """How the host waits for the device between replays: ``sync`` in the driver
+    (``torch.cuda.synchronize``, as the engine's per-step copy of the sampled ids waits), or
+    ``poll``: an event recorded and queried in a Python loop until done, the host thread running
+    Python all along (whether a replay's front is slow because of how the host waited)."""
+    if wait not in ("sync", "poll"):
+        raise ValueError(f"wait must be 'sync' or 'poll', not {wait!r}")
+    if device.type != "cuda":
+        return lambda: None
+    if wait == "sync":
+        return torch.cuda.synchronize
+
+    def poll() -> None:
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            pass
+
+    return poll
+
+
 def _replan_timer(runner: Any, bucket: int, name: str) -> tuple[list[int], Callable[[], None]]:
     """Wrap one callable of each of the planned path's replans of ``bucket`` to time its calls;
     the samples (ns) and the undo. ``_call``: the recorded FlashInfer module plan;
@@ -134,7 +155,10 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
     200 us of sleep; ``stream_us`` the current-stream lookup the mark makes, ``raw_mark_us``
     the mark given its stream; ``python_after_sync_us`` / ``python_warm_us`` a fixed bit of
     pure Python right after the synchronize / after running it 50 times (whether the host
-    thread starts each replay cold)."""
+    thread starts each replay cold); ``python_after_busy_sync_us`` / ``python_after_busy_poll_us``
+    the same right after the host waited out about 1 ms of device work (a replay's length) in
+    the driver's synchronize / in a Python loop querying an event (:func:`waiter`): whether the
+    driver's wait leaves the host cold."""
     replans = [r for r in _replans(runner, bucket) if getattr(r, "_copied", None) is not None]
     if not replans or runner.device.type != "cuda":
         return {}
@@ -166,6 +190,15 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
         for _ in range(50):
             python(r)
 
+    def busy(wait: Callable[[], None]) -> Callable[[Any], None]:
+        def setup(r: Any) -> None:
+            # about 1 ms of device time at the H100's and H200's 1,980 MHz (a sleep kernel
+            # spins this many cycles; the length does not matter, only that the host waits)
+            torch.cuda._sleep(2_000_000)
+            wait()
+
+        return setup
+
     stream = torch.cuda.current_stream(runner.device)
     ops: dict[str, tuple[Callable[[Any], object], Callable[[Any], object]]] = {
         "indptr_copy_us": (nothing, copy),
@@ -182,6 +215,8 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
         "raw_mark_us": (nothing, lambda r: r._copied.record(stream)),
         "python_after_sync_us": (nothing, python),
         "python_warm_us": (warm, python),
+        "python_after_busy_sync_us": (busy(waiter(runner.device, "sync")), python),
+        "python_after_busy_poll_us": (busy(waiter(runner.device, "poll")), python),
     }
     out: dict[str, float] = {}
     for key, (setup, op) in ops.items():
@@ -264,17 +299,22 @@ def line_costs(
 
 
 def host_steps(
-    runner: Any, batch: Any, bucket: int, iters: int = 20, ask_every_hook: bool = False
+    runner: Any,
+    batch: Any,
+    bucket: int,
+    iters: int = 20,
+    ask_every_hook: bool = False,
+    wait: str = "sync",
 ) -> dict[str, float] | None:
     """Median host microseconds of each step of ``runner``'s replay of ``bucket`` over
     ``batch``; ``None`` for a runner without a replay tape (``full``, eager). ``ask_every_hook``:
     the replans ask each of the schedule's hooks even where none acts on the plan (their path
-    before the ``_hooks_act`` check: side by side with it, what that check saves)."""
+    before the ``_hooks_act`` check: side by side with it, what that check saves). ``wait``: how
+    the host waits for each replay to finish before the next (:func:`waiter`)."""
     tape = _tape(runner, bucket)
     if tape is None or not hasattr(tape, "_tail") or not hasattr(runner, "attention"):
         return None
-    cuda = runner.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = waiter(runner.device, wait)
     launchers = [g.launcher() for g in tape.graphs]  # bound methods: equal per graph
     at = set(tape._tail_attend_at)
     kinds = [  # the tail's steps, in order
@@ -385,7 +425,8 @@ def ops_row(s: dict[str, float]) -> str:
     got = [f"{n} {s[k]:.1f}" for k, n in names.items() if k in s]
     later = ("mark_after_module_us", "mark_after_copy_us", "mark_after_head_us",
              "copy_after_head_us", "module_after_head_us", "mark_after_idle_us", "stream_us",
-             "raw_mark_us", "python_after_sync_us", "python_warm_us")  # fmt: skip
+             "raw_mark_us", "python_after_sync_us", "python_warm_us",
+             "python_after_busy_sync_us", "python_after_busy_poll_us")  # fmt: skip
     after = [f"{k.removesuffix('_us')} {s[k]:.1f}" for k in later if k in s]
     if not got:
         return ""

@@ -581,6 +581,10 @@ def main() -> int:
                             row[f"{backend}_host_steps_every_hook"] = host_steps(
                                 worker.runner, batch, b, args.iters, ask_every_hook=True
                             )
+                        # the host waiting in a Python loop, not in the driver, between replays
+                        row[f"{backend}_host_steps_poll"] = host_steps(
+                            worker.runner, batch, b, args.iters, wait="poll"
+                        )
                 if b == args.profile and cuda:  # the CUDA profiler's kernels
                     profile(f"{backend} bucket {b}", graph_step, args.profile_rows)
                     if f"eager_profiled_{b}" not in row:
@@ -685,6 +689,8 @@ def main() -> int:
                     print(f"{'':>20} {us:>6.1f}  {where}")
                 if f"{be}_host_steps_every_hook" in rows[b]:  # each hook asked: the old path
                     print(steps_row(f"{be[:9]} all", b, rows[b][f"{be}_host_steps_every_hook"]))
+                if rows[b].get(f"{be}_host_steps_poll"):  # waited in Python between replays
+                    print(steps_row(f"{be[:8]} poll", b, rows[b][f"{be}_host_steps_poll"]))
     print("this process's host (benchmarks/host_speed.py), at start and after each backend:")
     for when, speed in speeds.items():
         print(f"  {when}: {speed_line(speed)}")

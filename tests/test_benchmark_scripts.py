@@ -43,7 +43,7 @@ def test_decode_step_runs_and_reports_its_kernels(tmp_path):
 def test_prefill_graphs_runs_every_backend_and_reports_its_kernels(tmp_path):
     out = tmp_path / "prefill.json"
     proc = run_script("benchmarks/prefill_graphs.py", "--tiny", "--buckets", "16,64",
-                      "--iters", "2", "--out", str(out))  # fmt: skip
+                      "--iters", "2", "--host-steps", "64", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["gate_up_kernel"]["name"] == "torch"
@@ -64,6 +64,13 @@ def test_prefill_graphs_runs_every_backend_and_reports_its_kernels(tmp_path):
             assert threads["available"] and threads["main"]["on_cpu_ms"] > 0
     assert set(got["host_speed"]) == {"start", "full", "breakable", "tc_piecewise"}
     assert "this process's host" in proc.stdout
+    # the segment backends' host steps at 64 tokens, waited for in the driver and in a Python
+    # loop, each printed
+    steps = {r["bucket"]: r for r in got["rows"]}[64]
+    for backend, label in (("breakable", "breakabl poll"), ("tc_piecewise", "tc_piece poll")):
+        for key in (f"{backend}_host_steps", f"{backend}_host_steps_poll"):
+            assert steps[key]["first_attention_us"] > 0, key
+        assert re.search(rf"^ *{label} +64 ", proc.stdout, re.M), label
 
 
 def test_schedule_ab_times_two_ranks_of_one_process_and_checks_their_logits_agree(tmp_path):
@@ -258,6 +265,15 @@ def test_line_costs_finds_the_line_of_the_plan_that_takes_the_time():
     assert line_costs(NS(_captured={}), None, 256) == []  # nothing captured: nothing traced
 
 
+def test_the_host_waits_as_asked_and_refuses_an_unknown_wait():
+    from benchmarks.host_steps import waiter
+
+    assert waiter(torch.device("cpu"), "poll")() is None  # no device to wait for
+    assert waiter(torch.device("cuda"), "sync") is torch.cuda.synchronize
+    with pytest.raises(ValueError, match="wait must be 'sync' or 'poll', not 'spin'"):
+        waiter(torch.device("cpu"), "spin")
+
+
 def test_replan_ops_times_each_op_it_prints_on_a_stand_in_cuda_runner(monkeypatch):
     """``host_steps.replan_ops`` runs only on CUDA, inside a GPU call that a crash there would
     waste; here its ops run on a CPU replan with CUDA's synchronize, stream and event stood in:
@@ -276,6 +292,20 @@ def test_replan_ops_times_each_op_it_prints_on_a_stand_in_cuda_runner(monkeypatc
     r._copied = NS(record=lambda stream=None: recorded.append(stream), synchronize=lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "stream")
+    sleeps: list[int] = []
+    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
+    queries: list[bool] = []
+
+    class Event:  # done at its second query: the poll must loop until then
+        def record(self) -> None:
+            self.asked = 0
+
+        def query(self) -> bool:
+            self.asked += 1
+            queries.append(self.asked > 1)
+            return self.asked > 1
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     heads: list[int] = []
     tape = NS(_head=[lambda: heads.append(1)], graphs=[])
     runner = NS(attention=NS(planned=NS(_replans={(256, "shape"): r, (512, "shape"): None})),
@@ -284,7 +314,10 @@ def test_replan_ops_times_each_op_it_prints_on_a_stand_in_cuda_runner(monkeypatc
     row = ops_row(got)
     for key in got:
         assert key.removesuffix("_us") in row.replace(" ", "_"), key
-    assert {"mark_after_module_us", "mark_after_head_us", "python_after_sync_us"} <= set(got)
+    assert {"mark_after_module_us", "mark_after_head_us", "python_after_sync_us",
+            "python_after_busy_sync_us", "python_after_busy_poll_us"} <= set(got)  # fmt: skip
+    assert sleeps and queries.count(True) == len(sleeps) // 2  # each poll waited till done
+    assert queries.count(False) == queries.count(True)
     assert heads and "stream" in recorded  # the head launched, the mark given its stream
     assert r.indptrs.tolist() == [offsets([40, 24, 0, 0])] * 2
 
@@ -307,14 +340,21 @@ def test_the_gpu_call_runs_every_test_file_that_has_gpu_tests():
 
 
 def test_host_costs_times_the_replan_and_the_token_copy_it_names():
-    """``host_costs.py replan`` and ``load`` (the dev-CPU figures docs/benchmarks.md quotes) still
-    run, and ``load`` counts one copy into the token rows for a batch under its bucket of the
-    same size as the last (a pad copied every time reads 2)."""
-    for what in ("replan", "load"):
+    """``host_costs.py replan``, ``load`` and ``tracer`` (the dev-CPU figures docs/benchmarks.md
+    quotes) still run; ``load`` counts one copy into the token rows for a batch under its bucket
+    of the same size as the last (a pad copied every time reads 2), and ``tracer`` finds the
+    traced line of a Python-heavy callee dearer than the call untraced (what it measures)."""
+    for what in ("replan", "load", "tracer"):
         proc = run_script("benchmarks/host_costs.py", what)
         assert proc.returncode == 0, proc.stderr[-2000:]
         if what == "replan":
             assert re.search(r"replan, 8 slots: [\d.]+ us", proc.stdout), proc.stdout
+        elif what == "tracer":
+            got = re.findall(r"(.+): untraced +([\d.]+) us, its line traced +([\d.]+) us",
+                             proc.stdout)  # fmt: skip
+            assert [name.strip() for name, _, _ in got] == [
+                "the module call alone", "with torch's device lookup"], proc.stdout  # fmt: skip
+            assert float(got[1][2]) > float(got[1][1]), proc.stdout
         else:
             got = re.findall(r"copy_tokens, (\d+) tokens into 256: [\d.]+ us .*, (\d+) copies",
                              proc.stdout)  # fmt: skip
