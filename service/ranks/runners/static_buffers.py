@@ -40,9 +40,10 @@ class PrefillStaticBuffers:
         default_factory=dict, compare=False, repr=False
     )
     # [D]: every token row from D on holds the pad token. A batch's copy pads only the rows of
-    # its bucket a previous batch or capture left dirty: a batch no smaller than the last one
-    # copies once, not twice (one device op before each replay). A list, as the dataclass is
-    # frozen; allocate's zeros are the pad token (PADDING_SLOT is 0), so it starts at 0
+    # its bucket an earlier batch or capture left dirty: a batch at least as long as every one
+    # since the rows were last padded copies once, not twice (one device op fewer before its
+    # replay). A list, as the dataclass is frozen; allocate fills every row with the pad token,
+    # so it starts at 0
     _pad_from: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @staticmethod
