@@ -3,7 +3,7 @@
     python benchmarks/host_costs.py layouts        # per-step host layouts, 32 decode requests
     python benchmarks/host_costs.py first-prefill  # first prefills after start-up, gc frozen or not
     python benchmarks/host_costs.py replan         # a later plan's own host work (RaggedReplan)
-    python benchmarks/host_costs.py load           # a replay's token copy, batch under its bucket
+    python benchmarks/host_costs.py load           # a replay's copy into the static buffers
     python benchmarks/host_costs.py tracer         # what host_steps.line_costs adds to a line
 
 ``layouts`` times the per-step host work of a decode step of 32 requests with 300-331 cached
@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # benchmarks.host_steps for ``tracer``; appended, so that a ``service`` first on PYTHONPATH
 # (another tree, for an A/B) is the one imported
@@ -160,38 +161,52 @@ def tracer() -> None:
 
 
 def load() -> None:
-    """A replay's token-row copy into the static buffers (``copy_tokens``, the segment
-    backends' load) on CPU tensors, for batches of 200 and 256 tokens into bucket 256, the same
-    batch again and again (serving's steady state at one size): the copy's own host work, and
-    how many copies it makes into the token rows. Medians of 10 rounds of 5,000 calls."""
+    """A replay's copy of a live batch into the static buffers on CPU tensors, the same batch
+    again and again (serving's steady state at one size): prefill's token rows
+    (``copy_tokens``, the segment backends' load) for 200 and 256 tokens into bucket 256, and a
+    decode step's (``DecodeStaticBuffers.copy_from``) for 3 and 4 requests into size 4. The
+    copy's own host work, and how many device ops it makes (copies and fills). Medians of 10
+    rounds of 5,000 calls."""
     import statistics
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+    from service.ranks.runners.decode import DecodeStaticBuffers
     from service.ranks.runners.static_buffers import PrefillStaticBuffers
 
-    class Copies(TorchDispatchMode):
+    writes = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar,
+              torch.ops.aten.zero_.default}  # fmt: skip
+
+    class Ops(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func is torch.ops.aten.copy_.default
+            self.n += func in writes
             return func(*args, **(kwargs or {}))
+
+    def report(name: str, copy: Any) -> None:
+        copy()
+        with Ops() as mode:
+            copy()
+        rounds = [per_call_us(copy, 5000) for _ in range(10)]
+        print(f"{name}: {statistics.median(rounds):.2f} us (median of 10 rounds; "
+              f"min {min(rounds):.2f}), {mode.n} device ops")  # fmt: skip
 
     cpu = torch.device("cpu")
     bufs = PrefillStaticBuffers.allocate(8192, 64, cpu)
     for n in (200, 256):
         layout = BatchLayout(ForwardMode.EXTEND, (0,), (0,), (n,))
         batch = ForwardBatch.build(layout, list(range(n)), list(range(n)), cpu)
-        bufs.copy_tokens(batch, 256)
-        with Copies() as mode:
-            bufs.copy_tokens(batch, 256)
-        rounds = [per_call_us(lambda: bufs.copy_tokens(batch, 256), 5000) for _ in range(10)]  # noqa: B023
-        print(f"copy_tokens, {n} tokens into 256: {statistics.median(rounds):.2f} us (median of "
-              f"10 rounds; min {min(rounds):.2f}), {mode.n} copies")  # fmt: skip
+        report(f"copy_tokens, {n} tokens into 256", lambda b=batch: bufs.copy_tokens(b, 256))
+    dec = DecodeStaticBuffers.allocate(64, cpu)
+    for b in (3, 4):
+        layout = BatchLayout(ForwardMode.DECODE, tuple(range(b)), (300,) * b, (1,) * b)
+        batch = ForwardBatch.build(layout, list(range(b)), list(range(1, b + 1)), cpu)
+        report(f"decode copy_from, {b} requests into 4", lambda x=batch: dec.copy_from(x, 4))
 
 
 def first_prefill_child(mode: str, model_dir: str) -> None:

@@ -16,3 +16,18 @@ PADDING_SLOT = 0  # reserved KV slot: padded and synthetic tokens write here, ne
 PADDING_TOKEN_ID = 0  # input id of a padded token
 PADDING_POSITION = 0  # position of a padded token (within every rotary table)
 SENTINEL_ROW = 0  # request-pool row a sentinel slot names (it reads nothing: no tokens)
+
+
+def rows_to_pad(live: int, width: int, pad_from: int) -> tuple[int, int, int]:
+    """The rows a static buffer must pad after a copy wrote a batch's ``live`` rows into a view
+    ``width`` rows wide (``live <= width``), when every row from ``pad_from`` on already holds
+    the pad: ``(start, end, pad_from after)``, rows ``start:end`` to pad (none where equal).
+
+    Why: a replay padded rows ``live:width`` at every step, one more device op and launch
+    before the graph; only rows an earlier batch or a capture wrote need it, so a batch at
+    least as long as every one since the rows were last padded needs none.
+    """
+    if live >= pad_from:
+        return live, live, live
+    end = min(width, pad_from)
+    return live, end, live if end == pad_from else pad_from

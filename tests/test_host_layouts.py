@@ -211,3 +211,102 @@ def test_token_copy_pads_the_token_rows_and_leaves_the_request_rows_alone(extra_
     assert bufs.tokens[:, bucket:].unique().tolist() == [77]  # nothing past the bucket
     with pytest.raises(ValueError, match="does not fit bucket"):
         bufs.copy_tokens(batch, 5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20), st.booleans()), max_size=12))
+def test_rows_to_pad_keeps_every_row_a_view_reads_past_the_live_ones_padded(steps):
+    """service.padding.rows_to_pad against a row-by-row model of a buffer, over any sequence of
+    copies and captures (``capture``: rows up to its width written, not the pad, and the mark
+    moved past them): after each copy the rows the view reads past the live ones hold the pad
+    and every row from the kept mark on is pad; a copy at least as long as the mark pads
+    nothing (the copy it saves)."""
+    from service.padding import rows_to_pad
+
+    rows = ["pad"] * 24
+    mark = 0
+    for live, extra, capture in steps:
+        width = min(live + extra, 24)
+        live = min(live, width)
+        if capture:
+            rows[:width] = ["synthetic"] * width
+            mark = max(mark, width)
+            continue
+        rows[:live] = ["live"] * live
+        before = mark
+        start, end, mark = rows_to_pad(live, width, mark)
+        assert start == live and live <= end <= width
+        if live >= before:
+            assert end == start  # nothing past the live rows was written since the last pad
+        rows[start:end] = ["pad"] * (end - start)
+        assert rows[live:width] == ["pad"] * (width - live), (live, width, rows)
+        assert all(r == "pad" for r in rows[mark:]), (mark, rows)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 8), st.integers(0, 8)), min_size=1,
+                max_size=8), st.integers(0, 2**31))  # fmt: skip
+def test_decode_copy_fills_the_live_slots_and_pads_the_rest_in_one_copy_where_it_can(steps, seed):
+    """A decode step's static inputs over any sequence of steps and captures: the live
+    requests' ids, positions (= prefix), KV slots and rows in the first B slots, every slot past
+    them up to the size padded (token 0, position 0, the padding slot, the sentinel row), with
+    one copy into the rows, and a second only where a slot past B was written since it was
+    last padded (a pad copied every step fails the count, a pad skipped wrongly the values)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from service.padding import PADDING_POSITION, PADDING_SLOT, PADDING_TOKEN_ID, SENTINEL_ROW
+    from service.ranks.runners.decode import DecodeStaticBuffers
+
+    class Writes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar)
+            return func(*args, **(kwargs or {}))
+
+    bufs = DecodeStaticBuffers.allocate(16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    written = 0  # a model: the highest slot holding anything but the pad
+    for capture, b, extra in steps:
+        size = min(b + extra, 16)
+        if capture:
+            bufs.load_synthetic(size)
+            written = max(written, size)
+            continue
+        rows = torch.randperm(50, generator=g)[:b].add(1).tolist()
+        prefix = torch.randint(1, 99, (b,), generator=g).tolist()
+        layout = BatchLayout(ForwardMode.DECODE, tuple(rows), tuple(prefix), (1,) * b)
+        slots = torch.randint(1, 999, (b,), generator=g).tolist()
+        ids = torch.randint(1, 99, (b,), generator=g).tolist()
+        batch = ForwardBatch.build(layout, ids, slots, torch.device("cpu"))
+        with Writes() as mode:
+            view = bufs.copy_from(batch, size)
+        pad = size - b
+        assert view.input_ids.tolist() == ids + [PADDING_TOKEN_ID] * pad
+        assert view.positions.tolist() == prefix + [PADDING_POSITION] * pad
+        assert view.prefix_lens.tolist() == prefix + [PADDING_POSITION] * pad
+        assert view.out_cache_loc.tolist() == slots + [PADDING_SLOT] * pad
+        assert view.req_pool_indices.tolist() == rows + [SENTINEL_ROW] * pad
+        assert view.extend_lens.tolist() == [1] * size
+        assert view.extend_start_loc.tolist() == list(range(size))
+        assert mode.n == (2 if min(size, written) > b else 1)
+        written = b if size >= written else max(written, b)
+
+
+def test_decode_copy_refuses_a_batch_it_cannot_take_in_one_copy():
+    import dataclasses
+
+    from service.ranks.runners.decode import DecodeStaticBuffers
+
+    bufs = DecodeStaticBuffers.allocate(4, torch.device("cpu"))
+    layout = BatchLayout(ForwardMode.DECODE, (1, 2), (5, 6), (1, 1))
+    batch = ForwardBatch.build(layout, [3, 4], [7, 8], torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"ForwardBatch\.build \(packed\)"):
+        bufs.copy_from(dataclasses.replace(batch, packed=None), 4)
+    with pytest.raises(ValueError, match="does not fit size 1"):
+        bufs.copy_from(batch, 1)
+    extend = BatchLayout(ForwardMode.EXTEND, (1,), (0,), (2,))
+    with pytest.raises(ValueError, match="one token per request"):
+        bufs.copy_from(ForwardBatch.build(extend, [3, 4], [7, 8], torch.device("cpu")), 4)

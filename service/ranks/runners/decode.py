@@ -11,7 +11,7 @@ attention (lengths read from device tensors). On CPU the same path runs through 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,7 +21,13 @@ from service.commands import GraphKind
 from service.decode_sizes import DecodeDecision, DecodePlan
 from service.errors import CaptureFailed
 from service.model.llama import CausalLM
-from service.padding import PADDING_POSITION, PADDING_SLOT, PADDING_TOKEN_ID, SENTINEL_ROW
+from service.padding import (
+    PADDING_POSITION,
+    PADDING_SLOT,
+    PADDING_TOKEN_ID,
+    SENTINEL_ROW,
+    rows_to_pad,
+)
 from service.ranks.attention.base import AttentionBackend
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.runners.graph_capture import CapturedCall, timed_capture
@@ -31,54 +37,75 @@ from service.ranks.runners.graph_capture import CapturedCall, timed_capture
 class DecodeStaticBuffers:
     """The inputs every decode graph reads, sized once for the largest size."""
 
-    input_ids: torch.Tensor  # (Smax,)
-    positions: torch.Tensor  # (Smax,) = prefix_lens: the new token's position
-    out_cache_loc: torch.Tensor  # (Smax,)
-    req_pool_indices: torch.Tensor  # (Smax,)
+    input_ids: torch.Tensor  # (Smax,) row 0 of ``rows``
+    positions: torch.Tensor  # (Smax,) row 1 = prefix_lens: the new token's position
+    out_cache_loc: torch.Tensor  # (Smax,) row 2
+    req_pool_indices: torch.Tensor  # (Smax,) row 3
     extend_lens: torch.Tensor  # (Smax,) ones
     extend_start_loc: torch.Tensor  # (Smax,) 0 .. Smax-1
+    # the four rows above as one tensor: a built decode batch's ids, positions, KV slots and
+    # request rows are the first 4B entries of its packed tensor, in that order, so one copy
+    # takes them in (four copies and four fills before every replay cost the host ~19 us on
+    # the dev CPU: benchmarks/host_costs.py load)
+    rows: torch.Tensor  # (4, Smax) int64
+    pad: torch.Tensor  # (4, 1) int64: a padded slot's token id, position, KV slot, request row
+    # [D]: every slot from D on holds the pad (service.padding.rows_to_pad); a list, as the
+    # dataclass is frozen. allocate pads every slot, so it starts at 0
+    _pad_from: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+    # size -> the view's seven slices, made once: slicing costs host time before every replay
+    _slices: dict[int, tuple[torch.Tensor, ...]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @staticmethod
     def allocate(max_size: int, device: torch.device) -> DecodeStaticBuffers:
-        def z() -> torch.Tensor:
-            return torch.zeros(max_size, dtype=torch.int64, device=device)
-
+        pad = torch.tensor(
+            [[PADDING_TOKEN_ID], [PADDING_POSITION], [PADDING_SLOT], [SENTINEL_ROW]],
+            dtype=torch.int64, device=device,
+        )  # fmt: skip
+        rows = pad.expand(4, max_size).contiguous()
         return DecodeStaticBuffers(
-            input_ids=z(), positions=z(), out_cache_loc=z(), req_pool_indices=z(),
+            *rows.unbind(0),
             extend_lens=torch.ones(max_size, dtype=torch.int64, device=device),
             extend_start_loc=torch.arange(max_size, dtype=torch.int64, device=device),
+            rows=rows, pad=pad,
         )  # fmt: skip
 
     def view(self, layout: BatchLayout, size: int) -> ForwardBatch:
-        return ForwardBatch(
-            layout=layout,
-            input_ids=self.input_ids[:size],
-            positions=self.positions[:size],
-            out_cache_loc=self.out_cache_loc[:size],
-            req_pool_indices=self.req_pool_indices[:size],
-            prefix_lens=self.positions[:size],  # a decode token sits right after its prefix
-            extend_lens=self.extend_lens[:size],
-            extend_start_loc=self.extend_start_loc[:size],
-        )
+        got = self._slices.get(size)
+        if got is None:
+            got = self._slices[size] = (
+                self.input_ids[:size], self.positions[:size], self.out_cache_loc[:size],
+                self.req_pool_indices[:size],
+                self.positions[:size],  # prefix_lens: a decode token sits right after its prefix
+                self.extend_lens[:size], self.extend_start_loc[:size],
+            )  # fmt: skip
+        return ForwardBatch(layout, *got)
 
     def copy_from(self, batch: ForwardBatch, size: int) -> ForwardBatch:
-        """The live decode batch in the first B slots, padded slots after it, up to ``size``."""
+        """The live decode batch in the first B slots, padded slots after it, up to ``size``:
+        one copy, and one more only where a slot past B holds something other than the pad."""
         b = batch.layout.num_requests
         if b > size or size > self.input_ids.shape[0]:
             raise ValueError(f"decode batch of {b} does not fit size {size}")
-        for dst, src, pad in (
-            (self.input_ids, batch.input_ids, PADDING_TOKEN_ID),
-            (self.positions, batch.positions, PADDING_POSITION),
-            (self.out_cache_loc, batch.out_cache_loc, PADDING_SLOT),
-            (self.req_pool_indices, batch.req_pool_indices, SENTINEL_ROW),
-        ):
-            dst[:b].copy_(src)
-            dst[b:size].fill_(pad)
+        packed = batch.packed
+        if batch.layout.num_tokens != b or packed is None or packed.numel() != 7 * b:
+            raise ValueError(
+                "a replayed decode batch must be one built by ForwardBatch.build (packed), one "
+                "token per request"
+            )
+        self.rows[:, :b].copy_(packed[: 4 * b].view(4, b))  # ids, positions, slots, rows
+        start, end, self._pad_from[0] = rows_to_pad(b, size, self._pad_from[0])
+        if end > start:
+            self.rows[:, start:end].copy_(self.pad.expand(4, end - start))
         return self.view(batch.layout, size)
 
     def load_synthetic(self, size: int) -> ForwardBatch:
         """The capture batch: ``size`` one-token requests in distinct rows, writing the padding
         slot, so capture never touches live KV."""
+        # capture rows are distinct (req_pool_indices 0..size-1), not the sentinel row: the next
+        # live batch pads over them
+        self._pad_from[0] = max(self._pad_from[0], size)
         self.input_ids[:size].fill_(PADDING_TOKEN_ID)
         self.positions[:size].fill_(PADDING_POSITION)
         self.out_cache_loc[:size].fill_(PADDING_SLOT)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.padding import PADDING_SLOT
+from service.padding import PADDING_SLOT, rows_to_pad
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 
 
@@ -39,11 +39,9 @@ class PrefillStaticBuffers:
     _token_slices: dict[int, tuple[torch.Tensor, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
-    # [D]: every token row from D on holds the pad token. A batch's copy pads only the rows of
-    # its bucket an earlier batch or capture left dirty: a batch at least as long as every one
-    # since the rows were last padded copies once, not twice (one device op fewer before its
-    # replay). A list, as the dataclass is frozen; allocate fills every row with the pad token,
-    # so it starts at 0
+    # [D]: every token row from D on holds the pad token; a copy pads only the rows of its
+    # bucket an earlier batch or capture left dirty (service.padding.rows_to_pad). A list, as
+    # the dataclass is frozen; allocate fills every row with the pad token, so it starts at 0
     _pad_from: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @staticmethod
@@ -123,15 +121,9 @@ class PrefillStaticBuffers:
 
     def _pad(self, n: int, bucket: int) -> None:
         """Rows ``n:bucket`` padded, rows ``:n`` just written with real tokens."""
-        dirty = self._pad_from[0]
-        if n >= dirty:
-            self._pad_from[0] = n
-            return
-        end = min(bucket, dirty)
-        if end > n:
-            self.tokens[:, n:end].copy_(self.pad_token.expand(3, end - n))
-        if end == dirty:  # every row past n is padded now
-            self._pad_from[0] = n
+        start, end, self._pad_from[0] = rows_to_pad(n, bucket, self._pad_from[0])
+        if end > start:
+            self.tokens[:, start:end].copy_(self.pad_token.expand(3, end - start))
 
     def load_synthetic(
         self, capture_seq_lens: tuple[int, ...], bucket: int, num_slots: int
