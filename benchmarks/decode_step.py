@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +33,8 @@ from service.capture_result import CaptureStat
 from service.commands import ForwardCommand, RowWrite
 from service.config import DecodeGraphConfig, EngineConfig, GraphConfig
 from service.decode_sizes import DecodeDecision, decide_decode
+from service.padding import PADDING_POSITION, PADDING_SLOT, PADDING_TOKEN_ID, SENTINEL_ROW
+from service.ranks.runners.decode import DecodeStaticBuffers
 from service.ranks.startup import set_up_rank
 from service.ranks.worker import RankWorker
 from service.sampling import SamplingParams
@@ -46,6 +49,22 @@ def step_ms(fn, iters: int) -> float:
         fn()  # ends with the sampled ids on the host: the step is complete
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def per_field_copy(bufs: Any, batch: Any, size: int) -> Any:
+    """The decode copy before 2e28c6f, for ``--copy-ab``: each of the four fields copied on its
+    own and its slots past the batch filled with the pad, eight device ops a step."""
+    b = batch.layout.num_requests
+    for dst, src, pad in (
+        (bufs.input_ids, batch.input_ids, PADDING_TOKEN_ID),
+        (bufs.positions, batch.positions, PADDING_POSITION),
+        (bufs.out_cache_loc, batch.out_cache_loc, PADDING_SLOT),
+        (bufs.req_pool_indices, batch.req_pool_indices, SENTINEL_ROW),
+    ):
+        dst[:b].copy_(src)
+        dst[b:size].fill_(pad)
+    bufs._pad_from[0] = max(bufs._pad_from[0], size)  # the slots it wrote, for the next copy
+    return bufs.view(batch.layout, size)
 
 
 def decode_command(
@@ -82,6 +101,8 @@ def main() -> int:
     ap.add_argument("--rope-store-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--splitk-norm-kernel", choices=("auto", "triton", "torch"), default="auto")
     ap.add_argument("--profile", type=int, default=None, help="print kernels of this batch size")
+    ap.add_argument("--copy-ab", action="store_true",
+                    help="time graph steps with the per-field copy too, alternating")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -117,6 +138,7 @@ def main() -> int:
     copy_bw = device_rates(worker.device, ClockSampler())["copy"]
     weights = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     layout = worker.kv.layout
+    packed_copy = DecodeStaticBuffers.copy_from
     rows = []
     for b in batches:
         if b * (args.context + 1) + 1 > info.num_kv_slots:
@@ -140,6 +162,17 @@ def main() -> int:
             "capture_s": round(captures[b].seconds, 3),
             "capture_mib": round(captures[b].memory_bytes / 2**20, 1),
         }
+        if args.copy_ab:  # the batch's copy in one op against four copies and four fills
+            new, old = [], []
+            for _ in range(4):
+                new.append(step_ms(lambda c=graph_cmd: worker.execute(c), args.iters))
+                DecodeStaticBuffers.copy_from = per_field_copy
+                try:
+                    old.append(step_ms(lambda c=graph_cmd: worker.execute(c), args.iters))
+                finally:
+                    DecodeStaticBuffers.copy_from = packed_copy
+            row["graph_ms_ab"] = statistics.median(new)
+            row["graph_ms_per_field_copy"] = statistics.median(old)
         rows.append(row)
         if b == args.profile and worker.device.type == "cuda":
             from benchmarks.prefill_graphs import profile
@@ -153,6 +186,10 @@ def main() -> int:
             f"{r['eager_ms'] / r['graph_ms']:>5.2f} "
             + (f"{fl:>9.3f} {r['graph_ms'] / fl:>7.2f}" if fl else f"{'-':>9} {'-':>7}")
         )
+    if args.copy_ab:
+        print("decode copy A/B, graph ms (median of 4 alternating rounds): one copy / per field")
+        for r in rows:
+            print(f"{r['batch']:>5} {r['graph_ms_ab']:>9.3f} {r['graph_ms_per_field_copy']:>9.3f}")
     print(f"attention: {info.attention.name} ({info.attention.reason})")
     print(f"fused kernels: {info.kernels.name} ({info.kernels.reason})")
     print(f"gate_up kernel: {info.gate_up.name} ({info.gate_up.reason})")

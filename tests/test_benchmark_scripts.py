@@ -27,12 +27,15 @@ def test_decode_step_runs_and_reports_its_kernels(tmp_path):
     out = tmp_path / "decode.json"
     proc = run_script("benchmarks/decode_step.py", "--tiny", "--batches", "1,2", "--iters", "2",
                       "--gate-up-kernel", "torch", "--rope-store-kernel", "torch",
-                      "--splitk-norm-kernel", "torch", "--out", str(out))  # fmt: skip
+                      "--splitk-norm-kernel", "torch", "--copy-ab", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())
     assert (
         got["gate_up_kernel"]["name"] == "torch" and "asked for" in got["gate_up_kernel"]["reason"]
     )
+    # the copy A/B: both arms timed and printed
+    assert all(r["graph_ms_ab"] > 0 and r["graph_ms_per_field_copy"] > 0 for r in got["rows"])
+    assert "decode copy A/B" in proc.stdout
     assert got["fused_kernels"]["name"] == "torch"
     assert "asked for" in got["rope_store_kernel"]["reason"]
     assert "asked for" in got["splitk_norm_kernel"]["reason"]
