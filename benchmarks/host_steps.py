@@ -158,7 +158,11 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
     thread starts each replay cold); ``python_after_busy_sync_us`` / ``python_after_busy_poll_us``
     the same right after the host waited out about 1 ms of device work (a replay's length) in
     the driver's synchronize / in a Python loop querying an event (:func:`waiter`): whether the
-    driver's wait leaves the host cold."""
+    driver's wait leaves the host cold; ``copy_after_launches_sync_us`` /
+    ``copy_after_launches_poll_us`` the indptr copy right after the host waited, each way, for 56
+    launches of the first segment's graph (a replay's count of launches): whether the first
+    driver call after a replay pays for the work the driver retires then (against
+    ``indptr_copy_us``)."""
     replans = [r for r in _replans(runner, bucket) if getattr(r, "_copied", None) is not None]
     if not replans or runner.device.type != "cuda":
         return {}
@@ -190,6 +194,14 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
         for _ in range(50):
             python(r)
 
+    def launches(wait: Callable[[], None]) -> Callable[[Any], None]:
+        def setup(r: Any) -> None:
+            for _ in range(56):
+                launch_head(r)
+            wait()
+
+        return setup
+
     def busy(wait: Callable[[], None]) -> Callable[[Any], None]:
         def setup(r: Any) -> None:
             # about 1 ms of device time at the H100's and H200's 1,980 MHz (a sleep kernel
@@ -217,6 +229,8 @@ def replan_ops(runner: Any, bucket: int, iters: int = 20) -> dict[str, float]:
         "python_warm_us": (warm, python),
         "python_after_busy_sync_us": (busy(waiter(runner.device, "sync")), python),
         "python_after_busy_poll_us": (busy(waiter(runner.device, "poll")), python),
+        "copy_after_launches_sync_us": (launches(waiter(runner.device, "sync")), copy),
+        "copy_after_launches_poll_us": (launches(waiter(runner.device, "poll")), copy),
     }
     out: dict[str, float] = {}
     for key, (setup, op) in ops.items():
@@ -426,7 +440,8 @@ def ops_row(s: dict[str, float]) -> str:
     later = ("mark_after_module_us", "mark_after_copy_us", "mark_after_head_us",
              "copy_after_head_us", "module_after_head_us", "mark_after_idle_us", "stream_us",
              "raw_mark_us", "python_after_sync_us", "python_warm_us",
-             "python_after_busy_sync_us", "python_after_busy_poll_us")  # fmt: skip
+             "python_after_busy_sync_us", "python_after_busy_poll_us",
+             "copy_after_launches_sync_us", "copy_after_launches_poll_us")  # fmt: skip
     after = [f"{k.removesuffix('_us')} {s[k]:.1f}" for k in later if k in s]
     if not got:
         return ""

@@ -318,8 +318,12 @@ def test_replan_ops_times_each_op_it_prints_on_a_stand_in_cuda_runner(monkeypatc
     for key in got:
         assert key.removesuffix("_us") in row.replace(" ", "_"), key
     assert {"mark_after_module_us", "mark_after_head_us", "python_after_sync_us",
-            "python_after_busy_sync_us", "python_after_busy_poll_us"} <= set(got)  # fmt: skip
-    assert sleeps and queries.count(True) == len(sleeps) // 2  # each poll waited till done
+            "python_after_busy_sync_us", "python_after_busy_poll_us",
+            "copy_after_launches_sync_us", "copy_after_launches_poll_us"} <= set(got)  # fmt: skip
+    # two busy pairs sleep each round (one waits in the driver, one polls) and two pairs poll
+    # (after the sleep, after the launches): as many polls as sleeps, each looping till done
+    assert sleeps and queries.count(True) == len(sleeps)
+    assert len(heads) > 56  # the launches pairs launched the first segment 56 times a round
     assert queries.count(False) == queries.count(True)
     assert heads and "stream" in recorded  # the head launched, the mark given its stream
     assert r.indptrs.tolist() == [offsets([40, 24, 0, 0])] * 2
