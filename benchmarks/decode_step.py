@@ -63,7 +63,7 @@ def per_field_copy(bufs: Any, batch: Any, size: int) -> Any:
     ):
         dst[:b].copy_(src)
         dst[b:size].fill_(pad)
-    bufs._pad_from[0] = max(bufs._pad_from[0], size)  # the slots it wrote, for the next copy
+    bufs.padding.dirtied(size)  # the slots it wrote, for the next copy
     return bufs.view(batch.layout, size)
 
 

@@ -21,16 +21,11 @@ from service.commands import GraphKind
 from service.decode_sizes import DecodeDecision, DecodePlan
 from service.errors import CaptureFailed
 from service.model.llama import CausalLM
-from service.padding import (
-    PADDING_POSITION,
-    PADDING_SLOT,
-    PADDING_TOKEN_ID,
-    SENTINEL_ROW,
-    rows_to_pad,
-)
+from service.padding import PADDING_POSITION, PADDING_SLOT, PADDING_TOKEN_ID, SENTINEL_ROW
 from service.ranks.attention.base import AttentionBackend
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.runners.graph_capture import CapturedCall, timed_capture
+from service.ranks.runners.padded_rows import PaddedRows
 
 
 @dataclass(frozen=True)
@@ -47,11 +42,9 @@ class DecodeStaticBuffers:
     # request rows are the first 4B entries of its packed tensor, in that order, so one copy
     # takes them in (four copies and four fills before every replay cost the host ~19 us on
     # the dev CPU: benchmarks/host_costs.py load)
-    rows: torch.Tensor  # (4, Smax) int64
-    pad: torch.Tensor  # (4, 1) int64: a padded slot's token id, position, KV slot, request row
-    # [D]: every slot from D on holds the pad (service.padding.rows_to_pad); a list, as the
-    # dataclass is frozen. allocate pads every slot, so it starts at 0
-    _pad_from: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+    rows: torch.Tensor  # (4, Smax) int64: ``padding.rows``
+    # the slots past each live batch, kept holding the pad (token id, position, KV slot, row)
+    padding: PaddedRows = field(compare=False, repr=False)
     # size -> the view's seven slices, made once: slicing costs host time before every replay
     _slices: dict[int, tuple[torch.Tensor, ...]] = field(
         default_factory=dict, compare=False, repr=False
@@ -63,12 +56,13 @@ class DecodeStaticBuffers:
             [[PADDING_TOKEN_ID], [PADDING_POSITION], [PADDING_SLOT], [SENTINEL_ROW]],
             dtype=torch.int64, device=device,
         )  # fmt: skip
-        rows = pad.expand(4, max_size).contiguous()
+        padding = PaddedRows(pad, max_size)
+        rows = padding.rows
         return DecodeStaticBuffers(
             *rows.unbind(0),
             extend_lens=torch.ones(max_size, dtype=torch.int64, device=device),
             extend_start_loc=torch.arange(max_size, dtype=torch.int64, device=device),
-            rows=rows, pad=pad,
+            rows=rows, padding=padding,
         )  # fmt: skip
 
     def view(self, layout: BatchLayout, size: int) -> ForwardBatch:
@@ -95,9 +89,7 @@ class DecodeStaticBuffers:
                 "token per request"
             )
         self.rows[:, :b].copy_(packed[: 4 * b].view(4, b))  # ids, positions, slots, rows
-        start, end, self._pad_from[0] = rows_to_pad(b, size, self._pad_from[0])
-        if end > start:
-            self.rows[:, start:end].copy_(self.pad.expand(4, end - start))
+        self.padding.pad_after(b, size)
         return self.view(batch.layout, size)
 
     def load_synthetic(self, size: int) -> ForwardBatch:
@@ -105,7 +97,7 @@ class DecodeStaticBuffers:
         slot, so capture never touches live KV."""
         # capture rows are distinct (req_pool_indices 0..size-1), not the sentinel row: the next
         # live batch pads over them
-        self._pad_from[0] = max(self._pad_from[0], size)
+        self.padding.dirtied(size)
         self.input_ids[:size].fill_(PADDING_TOKEN_ID)
         self.positions[:size].fill_(PADDING_POSITION)
         self.out_cache_loc[:size].fill_(PADDING_SLOT)

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.padding import PADDING_SLOT, rows_to_pad
+from service.padding import PADDING_POSITION, PADDING_SLOT, PADDING_TOKEN_ID
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
+from service.ranks.runners.padded_rows import PaddedRows
 
 
 @dataclass(frozen=True)
@@ -31,27 +32,27 @@ class PrefillStaticBuffers:
     extend_start_loc: torch.Tensor  # (Cmax,) row 3
     # the rows above as one tensor each: a packed batch is copied in with one copy per tensor
     # and padded with one more, not a copy and a fill per field (host time before each replay)
-    tokens: torch.Tensor  # (3, Tmax) int64
+    tokens: torch.Tensor  # (3, Tmax) int64: ``padding.rows``
     requests: torch.Tensor  # (4, Cmax) int64
-    pad_token: torch.Tensor  # (3, 1) int64: a padded token's id, position and KV slot
+    # the token rows past each live batch, kept holding the pad token (id, position, KV slot)
+    padding: PaddedRows = field(compare=False, repr=False)
     # bucket -> its (input_ids, positions, out_cache_loc) slices, made once: slicing costs host
     # time before every replay
     _token_slices: dict[int, tuple[torch.Tensor, ...]] = field(
         default_factory=dict, compare=False, repr=False
     )
-    # [D]: every token row from D on holds the pad token; a copy pads only the rows of its
-    # bucket an earlier batch or capture left dirty (service.padding.rows_to_pad). A list, as
-    # the dataclass is frozen; allocate fills every row with the pad token, so it starts at 0
-    _pad_from: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     @staticmethod
     def allocate(max_tokens: int, max_requests: int, device: torch.device) -> PrefillStaticBuffers:
-        pad = torch.tensor([[0], [0], [PADDING_SLOT]], dtype=torch.int64, device=device)
-        tokens = pad.expand(3, max_tokens).contiguous()  # every row padded: _pad_from 0
+        pad = torch.tensor([[PADDING_TOKEN_ID], [PADDING_POSITION], [PADDING_SLOT]],
+                           dtype=torch.int64, device=device)  # fmt: skip
+        padding = PaddedRows(pad, max_tokens)
+        tokens = padding.rows
         requests = torch.zeros(4, max_requests, dtype=torch.int64, device=device)
         return PrefillStaticBuffers(
-            *tokens.unbind(0), *requests.unbind(0), tokens=tokens, requests=requests, pad_token=pad
-        )
+            *tokens.unbind(0), *requests.unbind(0), tokens=tokens, requests=requests,
+            padding=padding,
+        )  # fmt: skip
 
     @property
     def max_tokens(self) -> int:
@@ -116,14 +117,8 @@ class PrefillStaticBuffers:
             raise ValueError("a replayed batch must be one built by ForwardBatch.build (packed)")
         # the batch's seven tensors are rows of (3, n) and (4, b) slices of one tensor
         self.tokens[:, :n].copy_(packed[: 3 * n].view(3, n))
-        self._pad(n, bucket)
+        self.padding.pad_after(n, bucket)
         return packed
-
-    def _pad(self, n: int, bucket: int) -> None:
-        """Rows ``n:bucket`` padded, rows ``:n`` just written with real tokens."""
-        start, end, self._pad_from[0] = rows_to_pad(n, bucket, self._pad_from[0])
-        if end > start:
-            self.tokens[:, start:end].copy_(self.pad_token.expand(3, end - start))
 
     def load_synthetic(
         self, capture_seq_lens: tuple[int, ...], bucket: int, num_slots: int
@@ -143,7 +138,7 @@ class PrefillStaticBuffers:
             positions.extend(range(n))
         k = len(real)
         # synthetic positions are not the pad token's: the next real batch pads over them
-        self._pad_from[0] = max(self._pad_from[0], bucket)
+        self.padding.dirtied(bucket)
         self.input_ids[:bucket].zero_()
         self.positions[:bucket].copy_(torch.tensor(positions, dtype=torch.int64))
         self.out_cache_loc[:bucket].fill_(PADDING_SLOT)
