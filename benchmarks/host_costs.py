@@ -126,12 +126,10 @@ def tracer() -> None:
     traced against the same call untraced. Untraced: medians of 10 rounds of 5,000 calls;
     traced: line_costs over 2,000 replays."""
     import statistics
-    from types import SimpleNamespace as NS
 
-    import torch
     from torch.cuda._utils import _get_device_index
 
-    from benchmarks.host_steps import line_costs
+    from benchmarks.host_steps import line_costs, plan_only_runner
 
     r, lens = _stand_in_replan()
     call = r._call
@@ -140,18 +138,7 @@ def tracer() -> None:
         _get_device_index(None, optional=True)
         return call()
 
-    class Planned:
-        def prepare(self, view: object, bucket: int, variant: str, slots: int) -> None:
-            r(lens)
-
-    planned = Planned()
-    attention = NS(
-        planned=planned, load=lambda *a: None,
-        launches=lambda view, bucket, calls: (planned.prepare(view, bucket, "ragged", 8), [])[1],
-    )  # fmt: skip
-    tape = NS(_head=[], _tail=[], _tail_attend_at=[], graphs=[], calls=None)
-    runner = NS(_captured={256: tape}, attention=attention, device=torch.device("cpu"),
-                buffers=None)  # fmt: skip
+    runner = plan_only_runner(r, lens, len(lens))
     for name, fn in (("the module call alone", call), ("with torch's device lookup", with_lookup)):
         r._call = fn
         untraced = statistics.median(per_call_us(fn, 5000) for _ in range(10))

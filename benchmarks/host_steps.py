@@ -287,7 +287,7 @@ def line_costs(
 
         return local
 
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync = waiter(runner.device, "sync")
     for i in range(iters + 2):
         sync()
         if i == 2:
@@ -310,6 +310,26 @@ def line_costs(
         (f"{name}:{line} {linecache.getline(path, line).strip()[:60]}", round(t / iters / 1e3, 2))
         for (name, line, path), t in ranked
     ]
+
+
+def plan_only_runner(replan: Any, lengths: Any, slots: int, bucket: int = 256) -> Any:
+    """A stand-in runner whose replay of ``bucket`` is its plan alone: the planned path's
+    ``prepare`` calls ``replan(lengths)``; no graph, no attention launch, no device. What
+    :func:`line_costs` traces, on CPU (host_costs.py tracer and its test)."""
+    from types import SimpleNamespace as NS
+
+    class Planned:
+        def prepare(self, view: object, bucket: int, variant: str, slots: int) -> None:
+            replan(lengths)
+
+    planned = Planned()
+    attention = NS(
+        planned=planned, load=lambda *a: None,
+        launches=lambda view, b, calls: (planned.prepare(view, b, "ragged", slots), [])[1],
+    )  # fmt: skip
+    tape = NS(_head=[], _tail=[], _tail_attend_at=[], graphs=[], calls=None)
+    return NS(_captured={bucket: tape}, attention=attention, device=torch.device("cpu"),
+              buffers=None)  # fmt: skip
 
 
 def host_steps(

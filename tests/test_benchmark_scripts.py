@@ -241,26 +241,14 @@ def test_line_costs_finds_the_line_of_the_plan_that_takes_the_time():
 
     import numpy as np
 
-    from benchmarks.host_steps import line_costs
+    from benchmarks.host_steps import line_costs, plan_only_runner
     from tests.test_flashinfer_replan import replan
 
     r = replan()[0]
     r(np.array([40, 24, 0, 0]))  # the first plan: the module call recorded
     call = r._call
     r._call = lambda: (time.sleep(0.002), call())[1]
-
-    class Planned:
-        def prepare(self, view: object, bucket: int, variant: str, slots: int) -> None:
-            r(np.array([200, 56, 0, 0]))
-
-    planned = Planned()
-    attention = NS(
-        planned=planned, load=lambda *a: None,
-        launches=lambda view, bucket, calls: (planned.prepare(view, bucket, "ragged", 4), [])[1],
-    )  # fmt: skip
-    tape = NS(_head=[], _tail=[], _tail_attend_at=[], graphs=[], calls=None)
-    runner = NS(_captured={256: tape}, attention=attention, device=torch.device("cpu"))
-    runner.buffers = None
+    runner = plan_only_runner(r, np.array([200, 56, 0, 0]), 4)
     got = line_costs(runner, None, 256, iters=5, top=3)
     assert got[0][0].startswith("prepare:") and got[0][1] >= 2000  # inclusive of the replan
     assert got[1][0].startswith("__call__:") and "self._call()" in got[1][0] and got[1][1] >= 2000
