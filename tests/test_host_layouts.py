@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from service.ranks.forward_batch import BatchLayout, ForwardBatch, ForwardMode
 from service.ranks.kv_pool import ReqToTokenPool
@@ -111,6 +112,25 @@ def test_static_copy_pads_and_fills_sentinels(reqs, extra_tokens, extra_slots, s
     assert view.extend_start_loc.tolist() == batch.extend_start_loc.tolist() + [t] * extra_slots
 
 
+class _Writes(TorchDispatchMode):
+    """Counts the device ops (copies and fills) a copy into static buffers makes: into 2-D
+    tensors of ``rows`` rows only (the (3, T) token rows, not the request rows), or every one
+    (``None``)."""
+
+    def __init__(self, rows: int | None = None) -> None:
+        super().__init__()
+        self.rows = rows
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        into = args[0] if args else None
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar) and (
+            self.rows is None or (into.dim() == 2 and into.shape[0] == self.rows)
+        ):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _random_batch(n: int, g: torch.Generator) -> ForwardBatch:
     """One request of ``n`` tokens whose ids, positions and KV slots are random and non-zero
     (never the pad token's)."""
@@ -133,21 +153,8 @@ def test_padding_holds_over_any_sequence_of_copies_and_pads_only_dirty_rows(step
     batch no smaller than every token row written since the last pad copies once (a pad kept
     unconditionally passes the first check and fails the count; a pad skipped wrongly fails
     the first)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from service.padding import PADDING_SLOT
     from service.ranks.runners.static_buffers import PrefillStaticBuffers
-
-    class Copies(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.token_copies = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            into = args[0] if args else None
-            if func is torch.ops.aten.copy_.default and into.dim() == 2 and into.shape[0] == 3:
-                self.token_copies += 1  # a copy into the (3, T) token rows
-            return func(*args, **(kwargs or {}))
 
     bufs = PrefillStaticBuffers.allocate(32, 4, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
@@ -159,7 +166,7 @@ def test_padding_holds_over_any_sequence_of_copies_and_pads_only_dirty_rows(step
             written = max(written, n)
             continue
         batch = _random_batch(n, g)
-        with Copies() as mode:
+        with _Writes(3) as mode:
             view = (bufs.copy_tokens(batch, bucket) if kind == "tokens"
                     else bufs.copy_from(batch, bucket, 2))  # fmt: skip
         assert view.input_ids.tolist() == batch.input_ids.tolist() + [0] * (bucket - n)
@@ -167,7 +174,7 @@ def test_padding_holds_over_any_sequence_of_copies_and_pads_only_dirty_rows(step
         assert view.out_cache_loc.tolist() == (
             batch.out_cache_loc.tolist() + [PADDING_SLOT] * (bucket - n)
         )
-        assert mode.token_copies == (2 if min(bucket, written) > n else 1)
+        assert mode.n == (2 if min(bucket, written) > n else 1)
         written = n if bucket >= written else max(written, n)
 
 
@@ -252,19 +259,8 @@ def test_decode_copy_fills_the_live_slots_and_pads_the_rest_in_one_copy_where_it
     them up to the size padded (token 0, position 0, the padding slot, the sentinel row), with
     one copy into the rows, and a second only where a slot past B was written since it was
     last padded (a pad copied every step fails the count, a pad skipped wrongly the values)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from service.padding import PADDING_POSITION, PADDING_SLOT, PADDING_TOKEN_ID, SENTINEL_ROW
     from service.ranks.runners.decode import DecodeStaticBuffers
-
-    class Writes(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func in (torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar)
-            return func(*args, **(kwargs or {}))
 
     bufs = DecodeStaticBuffers.allocate(16, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
@@ -281,7 +277,7 @@ def test_decode_copy_fills_the_live_slots_and_pads_the_rest_in_one_copy_where_it
         slots = torch.randint(1, 999, (b,), generator=g).tolist()
         ids = torch.randint(1, 99, (b,), generator=g).tolist()
         batch = ForwardBatch.build(layout, ids, slots, torch.device("cpu"))
-        with Writes() as mode:
+        with _Writes() as mode:
             view = bufs.copy_from(batch, size)
         pad = size - b
         assert view.input_ids.tolist() == ids + [PADDING_TOKEN_ID] * pad
