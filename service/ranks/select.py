@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 from service.errors import ConfigError
 from service.rank_info import BackendChoice
+from service.ranks import flashinfer_toolchain
+from service.ranks.flashinfer_toolchain import KernelSource
 
 # FlashInfer's prefill/decode templates are instantiated for these head dims (FA2 and FA3)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -82,9 +84,13 @@ def choose_attention(
     head_dim: int,
     import_error: str | None,
     mla: tuple[int, int] | None = None,
+    source: KernelSource | None = None,
 ) -> BackendChoice:
+    """``source``: where FlashInfer's kernels would come from (service.ranks.
+    flashinfer_toolchain.find; None where FlashInfer is not a candidate)."""
     blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error, mla)
-    choice = choose(requested, "--attention-backend", blocker)
+    choice = sourced(choose(requested, "--attention-backend", blocker,
+                            auto_blocker=source_blocker(source)), source)  # fmt: skip
     if mla is not None and choice.name == "flashinfer":
         return BackendChoice(
             "flashinfer",
@@ -95,11 +101,31 @@ def choose_attention(
 
 
 def choose_kernels(
-    requested: str, device_type: str, dtype: str, head_dim: int, import_error: str | None
+    requested: str,
+    device_type: str,
+    dtype: str,
+    head_dim: int,
+    import_error: str | None,
+    source: KernelSource | None = None,
 ) -> BackendChoice:
     """The fused RMSNorm / rotary / SiLU-and-mul kernels (service.model.kernels)."""
     blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error)
-    return choose(requested, "--fused-kernels", blocker)
+    return sourced(
+        choose(requested, "--fused-kernels", blocker, auto_blocker=source_blocker(source)), source
+    )
+
+
+def source_blocker(source: KernelSource | None) -> str | None:
+    """Why ``auto`` should not take FlashInfer although it imports: it could not get its kernels
+    (no compiler, nothing prebuilt). By name it is still taken: a warmed JIT cache needs neither."""
+    return None if source is None else flashinfer_toolchain.blocker(source)
+
+
+def sourced(choice: BackendChoice, source: KernelSource | None) -> BackendChoice:
+    """A FlashInfer choice's reason with where its kernels come from (logged, /server_info)."""
+    if choice.name != "flashinfer" or source is None:
+        return choice
+    return BackendChoice(choice.name, f"{choice.reason}; {flashinfer_toolchain.describe(source)}")
 
 
 # the fused gate_up kernel's tiles were measured on Hopper (H200); elsewhere ask for it by name

@@ -22,6 +22,7 @@ from service.model.llama import CausalLM
 from service.model.loader import build_model
 from service.model.parallel import TPGroup
 from service.rank_info import BackendChoice, RankInfo
+from service.ranks import flashinfer_toolchain
 from service.ranks.attention.base import AttentionBackend
 from service.ranks.device import (
     resolve_chunked_prefill,
@@ -30,6 +31,7 @@ from service.ranks.device import (
     resolve_dtype,
     resolve_kv_budget,
 )
+from service.ranks.flashinfer_toolchain import KernelSource
 from service.ranks.kv_pool import (
     KVLayout,
     ReqToTokenPool,
@@ -68,6 +70,14 @@ class RankSetup:
     info: RankInfo
 
 
+def warn_unsourced(choice: BackendChoice, source: KernelSource | None) -> None:
+    """A FlashInfer choice asked for by name where its kernels can only come from a warmed cache:
+    say so before the first kernel, where a missing one would fail the start-up."""
+    problem = None if source is None else flashinfer_toolchain.blocker(source)
+    if choice.name == "flashinfer" and problem is not None:
+        log.warning("FlashInfer was asked for by name, but %s", problem)
+
+
 def model_dir_of(cfg: EngineConfig) -> Path:
     return Path(cfg.model_path) if cfg.model_path else builtin_model_dir()
 
@@ -86,10 +96,16 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         cfg.fused_kernels.replace("auto", "flashinfer"),
     )
     fi_error = flashinfer_import_error() if wants_flashinfer else None
+    # where its kernels would come from: prebuilt, or nvcc on first use (neither: auto serves
+    # on torch rather than fail at the first kernel)
+    fi_source = flashinfer_toolchain.find() if wants_flashinfer and fi_error is None else None
     # DeepSeek's rotary is its own (interleaved pairs); the fused norm and SiLU kernels serve it
     kernel_dim = arch.head_dim if arch.mla is None else arch.mla.qk_rope_head_dim
-    kernels = choose_kernels(cfg.fused_kernels, device.type, dtype_name, kernel_dim, fi_error)
+    kernels = choose_kernels(
+        cfg.fused_kernels, device.type, dtype_name, kernel_dim, fi_error, fi_source
+    )
     log.info("Fused kernels: %s (%s)", kernels.name, kernels.reason)
+    warn_unsourced(kernels, fi_source)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     # one import attempt for the Triton kernels' choices (a choice of "torch" never reads it)
     wants_triton = device.type == "cuda" and any(
@@ -158,8 +174,10 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
     choice = choose_attention(
         cfg.attention_backend, device.type, dtype_name, arch.head_dim, fi_error,
         mla=None if arch.mla is None else (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim),
+        source=fi_source,
     )  # fmt: skip
     log.info("Attention backend: %s (%s)", choice.name, choice.reason)
+    warn_unsourced(choice, fi_source)
     if arch.mla is not None and cfg.graph.backend == "full":
         log.warning(
             "Prefill backend full with MLA: its graph-safe attention is the torch slot "

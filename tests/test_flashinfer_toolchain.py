@@ -1,0 +1,151 @@
+"""Where FlashInfer's kernels come from, and what ``auto`` does where they cannot come at all.
+
+A container on a CUDA runtime image imports FlashInfer and then fails at its first kernel (no
+nvcc to build it, nothing prebuilt). These tests run the compiler lookup over real files on
+disk (executable or not) in FlashInfer's order, and the choices that follow from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from service.errors import ConfigError
+from service.ranks import flashinfer_toolchain as tc
+from service.ranks.select import choose_attention, choose_kernels
+from service.ranks.startup import warn_unsourced
+
+
+def tool(path: Path, executable: bool = True) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(stat.S_IRWXU if executable else stat.S_IRUSR | stat.S_IWUSR)
+    return path
+
+
+def look(env: dict[str, str], prebuilt: bool = False, default: Path | None = None):
+    """find() over ``env`` alone: PATH is the env's, and /usr/local/cuda is ``default``."""
+
+    def which(name: str) -> str | None:
+        return shutil.which(name, path=env.get("PATH", ""))
+
+    def executable(p: str) -> bool:  # the service's own check, /usr/local/cuda moved
+        if default is not None and p.startswith(tc.DEFAULT_CUDA_HOME + "/"):
+            p = str(default / p.removeprefix(tc.DEFAULT_CUDA_HOME + "/"))
+        return tc.runnable(p)
+
+    return tc.find(env, which, executable, lambda m: prebuilt and m == tc.JIT_CACHE_MODULE)
+
+
+def test_cuda_home_decides_before_the_path_as_flashinfer_does(tmp_path):
+    home = tmp_path / "toolkit"
+    nvcc = tool(home / "bin" / "nvcc")
+    other = tool(tmp_path / "other" / "bin" / "nvcc")
+    got = look({"CUDA_HOME": str(home), "PATH": str(other.parent)})
+    assert got.nvcc == str(nvcc) and tc.blocker(got) is None
+    # CUDA_PATH is the second name FlashInfer reads
+    assert look({"CUDA_PATH": str(home)}).nvcc == str(nvcc)
+    # a CUDA_HOME without a compiler is what FlashInfer would run: nothing, whatever PATH holds
+    empty = tmp_path / "runtime-only"
+    empty.mkdir()
+    got = look({"CUDA_HOME": str(empty), "PATH": str(other.parent)})
+    assert got.nvcc is None and got.looked_for == str(empty / "bin" / "nvcc")
+    assert tc.blocker(got) is not None
+
+
+def test_without_cuda_home_the_nvcc_on_the_path_names_the_toolkit(tmp_path):
+    nvcc = tool(tmp_path / "cuda-12.8" / "bin" / "nvcc")
+    assert look({"PATH": f"{tmp_path / 'nothing'}:{nvcc.parent}"}).nvcc == str(nvcc)
+
+
+def test_without_either_it_looks_in_usr_local_cuda(tmp_path):
+    got = look({"PATH": str(tmp_path)}, default=tmp_path / "absent")
+    assert got.nvcc is None and got.looked_for == "/usr/local/cuda/bin/nvcc"
+    tool(tmp_path / "present" / "bin" / "nvcc")
+    got = look({"PATH": str(tmp_path)}, default=tmp_path / "present")
+    assert got.nvcc == "/usr/local/cuda/bin/nvcc"
+
+
+def test_a_file_that_cannot_run_is_no_compiler(tmp_path):
+    home = tmp_path / "toolkit"
+    tool(home / "bin" / "nvcc", executable=False)
+    assert look({"CUDA_HOME": str(home)}).nvcc is None
+
+
+def test_flashinfer_nvcc_overrides_by_path_or_by_name(tmp_path):
+    wrapper = tool(tmp_path / "wrap" / "my-nvcc")
+    home = tmp_path / "toolkit"
+    tool(home / "bin" / "nvcc")
+    got = look({"FLASHINFER_NVCC": str(wrapper), "CUDA_HOME": str(home)})
+    assert got.nvcc == str(wrapper)
+    got = look({"FLASHINFER_NVCC": "my-nvcc", "PATH": str(wrapper.parent)})
+    assert got.nvcc == str(wrapper)
+    # an override that is not there blocks, even with a toolkit under CUDA_HOME: FlashInfer
+    # would run the override
+    got = look({"FLASHINFER_NVCC": str(tmp_path / "gone"), "CUDA_HOME": str(home)})
+    assert got.nvcc is None and str(tmp_path / "gone") in tc.blocker(got)
+
+
+def test_prebuilt_kernels_need_no_compiler(tmp_path):
+    got = look({"PATH": str(tmp_path)}, prebuilt=True, default=tmp_path / "absent")
+    assert got.nvcc is None and tc.blocker(got) is None
+    assert "flashinfer-jit-cache" in tc.describe(got)
+
+
+def test_the_lookup_with_its_own_defaults_reads_this_process(tmp_path, monkeypatch):
+    nvcc = tool(tmp_path / "toolkit" / "bin" / "nvcc")
+    monkeypatch.delenv("FLASHINFER_NVCC", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
+    assert tc.find() == tc.KernelSource(prebuilt=tc.installed(tc.JIT_CACHE_MODULE),
+                                        nvcc=str(nvcc), looked_for=str(nvcc))  # fmt: skip
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "elsewhere"))
+    assert tc.find().nvcc is None
+    assert tc.installed("json") and not tc.installed("no_such_module_anywhere")
+
+
+NONE = tc.KernelSource(prebuilt=False, nvcc=None, looked_for="/usr/local/cuda/bin/nvcc")
+NVCC = tc.KernelSource(prebuilt=False, nvcc="/opt/cuda/bin/nvcc", looked_for="/opt/cuda/bin/nvcc")
+
+
+@pytest.mark.parametrize("choose", [choose_attention, choose_kernels])
+def test_auto_serves_on_torch_where_flashinfer_cannot_get_its_kernels(choose):
+    got = choose("auto", "cuda", "bfloat16", 128, None, source=NONE)
+    assert got.name == "torch"
+    # the reason says what to change
+    assert "/usr/local/cuda/bin/nvcc" in got.reason and "flashinfer-jit-cache" in got.reason
+    assert "CUDA toolkit" in got.reason
+    # with a compiler it takes FlashInfer and says where the kernels come from
+    got = choose("auto", "cuda", "bfloat16", 128, None, source=NVCC)
+    assert got.name == "flashinfer" and "/opt/cuda/bin/nvcc" in got.reason
+    # without a source (not asked: FlashInfer was no candidate) the choice is as before
+    assert choose("auto", "cuda", "bfloat16", 128, None).name == "flashinfer"
+    # the device, import and shape blockers still come first
+    assert choose("auto", "cpu", "bfloat16", 128, None, source=NVCC).name == "torch"
+
+
+@pytest.mark.parametrize("choose", [choose_attention, choose_kernels])
+def test_by_name_flashinfer_is_taken_without_a_compiler_and_warned_about(choose, caplog):
+    got = choose("flashinfer", "cuda", "bfloat16", 128, None, source=NONE)
+    assert got.name == "flashinfer" and "only from FlashInfer's cache" in got.reason
+    with caplog.at_level(logging.WARNING, logger="service.ranks.startup"):
+        warn_unsourced(got, NONE)
+    assert "asked for by name" in caplog.text and "flashinfer-jit-cache" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="service.ranks.startup"):
+        warn_unsourced(choose("flashinfer", "cuda", "bfloat16", 128, None, source=NVCC), NVCC)
+        warn_unsourced(choose("auto", "cuda", "bfloat16", 128, None, source=NONE), NONE)
+    assert caplog.text == ""  # a compiler, or torch chosen: nothing to warn about
+    # what cannot run at all is still refused by name
+    with pytest.raises(ConfigError, match="head dim"):
+        choose("flashinfer", "cuda", "bfloat16", 32, None, source=NVCC)
+
+
+def test_mla_keeps_its_note_and_gains_the_source():
+    got = choose_attention("auto", "cuda", "bfloat16", 192, None, mla=(512, 64), source=NVCC)
+    assert got.name == "flashinfer" and "MLA" in got.reason and "/opt/cuda/bin/nvcc" in got.reason
+    got = choose_attention("auto", "cuda", "bfloat16", 192, None, mla=(512, 64), source=NONE)
+    assert got.name == "torch"
