@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from service.ranks import flashinfer_toolchain
 from tests.server_proc import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,6 +235,57 @@ def test_dockerfile_is_cuda_non_root_with_gpu_extra():
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1] not in ("root", "0")
     assert 'ENTRYPOINT ["capture-service"]' in text
+
+
+def dockerfile() -> tuple[str, dict[str, str]]:
+    """The Dockerfile's last base image and its environment (ENV lines, continuations joined)."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    base = re.findall(r"^FROM (\S+)", text, re.M)[-1]
+    env: dict[str, str] = {}
+    for line in re.findall(r"^ENV (.+)$", text, re.M):
+        env.update(pair.split("=", 1) for pair in shlex.split(line))
+    return base, env
+
+
+# where a CUDA -devel image keeps its compiler (runtime images have none)
+DEVEL_NVCC = "/usr/local/cuda/bin/nvcc"
+
+
+def test_the_image_can_build_flashinfers_kernels():
+    """FlashInfer builds each kernel family with nvcc on first use unless flashinfer-jit-cache
+    holds it; a runtime image has neither, and `auto` would then serve on the torch kernels.
+    The image's environment, read by the service's own lookup, must find the compiler."""
+    base, env = dockerfile()
+    text = (DEPLOY / "Dockerfile").read_text()
+    prebuilt = "flashinfer-jit-cache" in text
+    assert prebuilt or re.match(r"nvidia/cuda:[^:]*-devel-", base), base
+    source = flashinfer_toolchain.find(
+        env, which=lambda _: None, is_executable=lambda p: "devel" in base and p == DEVEL_NVCC,
+        has_module=lambda _: prebuilt,
+    )  # fmt: skip
+    assert flashinfer_toolchain.blocker(source) is None, source
+
+
+@needs_kustomize
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_kernel_cache_is_on_a_volume_the_rank_pods_write(overlay):
+    """A restarted container (liveness, a crash) must load the kernels its first start built,
+    not build them again for minutes: every compiled-kernel cache the image names lies under a
+    writable volume of the pods that run the ranks."""
+    _, env = dockerfile()
+    home = env.get("FLASHINFER_WORKSPACE_BASE") or env["HOME"]
+    caches = [f"{home}/.cache/flashinfer", env["TRITON_CACHE_DIR"], env["TORCHINDUCTOR_CACHE_DIR"]]
+    (rc,) = by_kind(render(overlay), "RayCluster")
+    worker = rc["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    volumes = {v["name"]: v for v in worker["volumes"]}
+    mounts = [m for c in worker["containers"] for m in c.get("volumeMounts", [])]
+    for cache in caches:
+        under = [m for m in mounts if cache.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert under, f"{cache} is in the container's own layer"
+        assert not under[0].get("readOnly"), f"{cache} is on a read-only mount"
+        volume = volumes[under[0]["name"]]
+        assert "emptyDir" in volume or "persistentVolumeClaim" in volume, volume
+        assert volume.get("emptyDir", {}).get("medium") != "Memory"  # not counted as pod RAM
 
 
 def rule_exprs() -> list[str]:
