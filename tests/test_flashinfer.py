@@ -286,3 +286,20 @@ def test_fast_ragged_replan_writes_what_flashinfer_plan_writes():
         assert torch.equal(fast[0], bufs.indptrs)
         assert fast[2] == list(w._plan_info)
         assert torch.equal(fast[1], bufs.int_workspace), lens
+
+
+def test_the_service_finds_the_compiler_flashinfer_itself_would_run():
+    """service.ranks.flashinfer_toolchain mirrors FlashInfer's own lookup without importing it;
+    here, with FlashInfer installed, the two must name the same compiler (a later FlashInfer that
+    looks elsewhere fails this, before `auto` misjudges a machine)."""
+    import os
+
+    from flashinfer.jit import cpp_ext
+
+    from service.ranks import flashinfer_toolchain
+
+    source = flashinfer_toolchain.find()
+    theirs = os.environ.get("FLASHINFER_NVCC") or os.path.join(cpp_ext.get_cuda_path(), "bin/nvcc")
+    assert source.looked_for == theirs
+    # this machine built FlashInfer's kernels for the tests above (or loads them prebuilt)
+    assert flashinfer_toolchain.blocker(source) is None, source
