@@ -41,6 +41,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$HOME/site:$PWD"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
 python3 -c "import torch, flashinfer, triton; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'triton', triton.__version__)" | tee -a "$RES/gpu.txt"
+# where `auto` expects FlashInfer's kernels to come from (nvcc or prebuilt; neither: torch kernels)
+python3 -c "from service.ranks import flashinfer_toolchain as t; s = t.find(); print('FlashInfer kernels:', t.describe(s), '|', t.blocker(s) or 'auto takes FlashInfer')" | tee -a "$RES/gpu.txt"
 # FlashInfer's JIT builds of an earlier call, if carried (.ficache/ficache.tgz: <module>/<module>.so,
 # as SAVE_FICACHE=1 returns them): installed where FlashInfer looks for AOT modules, which it
 # loads without building; a module not among them is built as usual

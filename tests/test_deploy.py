@@ -260,7 +260,8 @@ def test_the_image_can_build_flashinfers_kernels():
     prebuilt = "flashinfer-jit-cache" in text
     assert prebuilt or re.match(r"nvidia/cuda:[^:]*-devel-", base), base
     source = flashinfer_toolchain.find(
-        env, which=lambda _: None, is_executable=lambda p: "devel" in base and p == DEVEL_NVCC,
+        env, which=lambda _: None,
+        check=lambda p: None if "devel" in base and p == DEVEL_NVCC else "not in the image",
         has_module=lambda _: prebuilt,
     )  # fmt: skip
     assert flashinfer_toolchain.blocker(source) is None, source

@@ -20,9 +20,9 @@ from service.ranks.select import choose_attention, choose_kernels
 from service.ranks.startup import warn_unsourced
 
 
-def tool(path: Path, executable: bool = True) -> Path:
+def tool(path: Path, executable: bool = True, body: str = "echo 'Cuda compilation tools'") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("#!/bin/sh\n")
+    path.write_text(f"#!/bin/sh\n{body}\n")
     path.chmod(stat.S_IRWXU if executable else stat.S_IRUSR | stat.S_IWUSR)
     return path
 
@@ -33,12 +33,14 @@ def look(env: dict[str, str], prebuilt: bool = False, default: Path | None = Non
     def which(name: str) -> str | None:
         return shutil.which(name, path=env.get("PATH", ""))
 
-    def executable(p: str) -> bool:  # the service's own check, /usr/local/cuda moved
-        if default is not None and p.startswith(tc.DEFAULT_CUDA_HOME + "/"):
+    def check(p: str) -> str | None:  # the service's own check, /usr/local/cuda moved
+        if p.startswith(tc.DEFAULT_CUDA_HOME + "/"):
+            if default is None:
+                return "not found"
             p = str(default / p.removeprefix(tc.DEFAULT_CUDA_HOME + "/"))
-        return tc.runnable(p)
+        return tc.check_compiler(p)
 
-    return tc.find(env, which, executable, lambda m: prebuilt and m == tc.JIT_CACHE_MODULE)
+    return tc.find(env, which, check, lambda m: prebuilt and m == tc.JIT_CACHE_MODULE)
 
 
 def test_cuda_home_decides_before_the_path_as_flashinfer_does(tmp_path):
@@ -73,7 +75,19 @@ def test_without_either_it_looks_in_usr_local_cuda(tmp_path):
 def test_a_file_that_cannot_run_is_no_compiler(tmp_path):
     home = tmp_path / "toolkit"
     tool(home / "bin" / "nvcc", executable=False)
-    assert look({"CUDA_HOME": str(home)}).nvcc is None
+    got = look({"CUDA_HOME": str(home)})
+    assert got.nvcc is None and got.problem == "not executable"
+    assert "not executable" in tc.blocker(got)
+
+
+def test_a_wrapper_whose_toolkit_is_gone_is_no_compiler(tmp_path):
+    """A `nvcc` that execs a toolkit that is not there (seen on a development VM) exits non-zero
+    on --version: no compiler, and the reason carries what it printed."""
+    home = tmp_path / "toolkit"
+    tool(home / "bin" / "nvcc", body=f'exec {tmp_path}/cuda-13.0/bin/nvcc "$@"')
+    got = look({"CUDA_HOME": str(home)})
+    assert got.nvcc is None and got.problem.startswith("`--version` exited 127")
+    assert "cuda-13.0/bin/nvcc" in got.problem
 
 
 def test_flashinfer_nvcc_overrides_by_path_or_by_name(tmp_path):
@@ -103,11 +117,14 @@ def test_the_lookup_with_its_own_defaults_reads_this_process(tmp_path, monkeypat
     assert tc.find() == tc.KernelSource(prebuilt=tc.installed(tc.JIT_CACHE_MODULE),
                                         nvcc=str(nvcc), looked_for=str(nvcc))  # fmt: skip
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "elsewhere"))
-    assert tc.find().nvcc is None
+    got = tc.find()
+    assert got.nvcc is None and got.problem == "not found"
     assert tc.installed("json") and not tc.installed("no_such_module_anywhere")
 
 
-NONE = tc.KernelSource(prebuilt=False, nvcc=None, looked_for="/usr/local/cuda/bin/nvcc")
+NONE = tc.KernelSource(
+    prebuilt=False, nvcc=None, looked_for="/usr/local/cuda/bin/nvcc", problem="not found"
+)
 NVCC = tc.KernelSource(prebuilt=False, nvcc="/opt/cuda/bin/nvcc", looked_for="/opt/cuda/bin/nvcc")
 
 

@@ -11,7 +11,10 @@ beforehand needs no compiler), with the reason logged as a warning.
 
 The compiler is found as FlashInfer 0.7 finds it (flashinfer.jit.cpp_ext): ``FLASHINFER_NVCC``
 if set, else ``bin/nvcc`` under ``CUDA_HOME`` (or ``CUDA_PATH``), else under the folder two up
-from the ``nvcc`` on ``PATH``, else under ``/usr/local/cuda``. Nothing here imports FlashInfer.
+from the ``nvcc`` on ``PATH``, else under ``/usr/local/cuda``; then it is run with ``--version``
+(once per rank at start-up, well under a second), since a wrapper whose toolkit is gone is no
+compiler. Nothing here imports FlashInfer (tests/test_flashinfer.py checks on a GPU machine that
+FlashInfer would run the same compiler).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,18 +31,38 @@ JIT_CACHE_MODULE = "flashinfer_jit_cache"  # the package of prebuilt kernels (fl
 DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
 
+COMPILER_TIMEOUT_S = 30.0  # `nvcc --version` answers in well under a second
+
+
 @dataclass(frozen=True)
 class KernelSource:
     """What FlashInfer can use on this machine to get its kernels."""
 
     prebuilt: bool  # flashinfer-jit-cache is installed
-    nvcc: str | None  # the compiler FlashInfer would run, where it exists and is executable
-    looked_for: str  # the compiler path FlashInfer would run (for the message when it is not there)
+    nvcc: str | None  # the compiler FlashInfer would run, where it answers `--version`
+    looked_for: str  # the compiler FlashInfer would run
+    problem: str | None = None  # why that compiler cannot serve (None: it can)
 
 
-def runnable(path: str) -> bool:
-    """Whether ``path`` is a file this process may execute."""
-    return os.path.isfile(path) and os.access(path, os.X_OK)
+def check_compiler(path: str) -> str | None:
+    """None when ``path --version`` runs and exits 0; otherwise why not, in a few words. Run, not
+    just looked at: a wrapper script whose toolkit is gone is no compiler."""
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=COMPILER_TIMEOUT_S
+        )
+    except FileNotFoundError:
+        return "not found"
+    except PermissionError:
+        return "not executable"
+    except subprocess.TimeoutExpired:
+        return f"`--version` did not answer within {COMPILER_TIMEOUT_S:g} s"
+    except OSError as exc:
+        return f"cannot run: {exc}"
+    if out.returncode != 0:
+        said = (out.stderr or out.stdout).strip().splitlines()
+        return f"`--version` exited {out.returncode}" + (f" ({said[-1]})" if said else "")
+    return None
 
 
 def installed(module: str) -> bool:
@@ -48,7 +72,7 @@ def installed(module: str) -> bool:
 def find(
     env: Mapping[str, str] | None = None,
     which: Callable[[str], str | None] = shutil.which,
-    is_executable: Callable[[str], bool] = runnable,
+    check: Callable[[str], str | None] = check_compiler,
     has_module: Callable[[str], bool] = installed,
 ) -> KernelSource:
     """This machine's :class:`KernelSource` (the arguments are for tests)."""
@@ -56,16 +80,20 @@ def find(
     override = env.get("FLASHINFER_NVCC")
     if override:
         # FlashInfer writes it into its build file as the compiler command: a path or a name
-        looked_for = override
-        found = override if is_executable(override) else which(override)
+        path = override if os.sep in override else (which(override) or override)
     else:
         cuda_home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
         if not cuda_home:
             on_path = which("nvcc")
             cuda_home = str(Path(on_path).parent.parent) if on_path else DEFAULT_CUDA_HOME
-        looked_for = str(Path(cuda_home) / "bin" / "nvcc")
-        found = looked_for if is_executable(looked_for) else None
-    return KernelSource(prebuilt=has_module(JIT_CACHE_MODULE), nvcc=found, looked_for=looked_for)
+        path = str(Path(cuda_home) / "bin" / "nvcc")
+    problem = check(path)
+    return KernelSource(
+        prebuilt=has_module(JIT_CACHE_MODULE),
+        nvcc=None if problem else path,
+        looked_for=path,
+        problem=problem,
+    )
 
 
 def blocker(source: KernelSource) -> str | None:
@@ -74,7 +102,7 @@ def blocker(source: KernelSource) -> str | None:
         return None
     return (
         f"FlashInfer has no prebuilt kernels (flashinfer-jit-cache is not installed) and no "
-        f"compiler to build them ({source.looked_for} not found); install the CUDA toolkit "
+        f"compiler to build them ({source.looked_for}: {source.problem}); install the CUDA toolkit "
         f"(a CUDA -devel image) or set CUDA_HOME or FLASHINFER_NVCC to it, or install "
         f"flashinfer-jit-cache"
     )
