@@ -12,9 +12,8 @@ beforehand needs no compiler), with the reason logged as a warning.
 The compiler is found as FlashInfer 0.7 finds it (flashinfer.jit.cpp_ext): ``FLASHINFER_NVCC``
 if set, else ``bin/nvcc`` under ``CUDA_HOME`` (or ``CUDA_PATH``), else under the folder two up
 from the ``nvcc`` on ``PATH``, else under ``/usr/local/cuda``; then it is run with ``--version``
-(once per rank at start-up, well under a second), since a wrapper whose toolkit is gone is no
-compiler. Nothing here imports FlashInfer (tests/test_flashinfer.py checks on a GPU machine that
-FlashInfer would run the same compiler).
+(service.ranks.compilers). Nothing here imports FlashInfer (tests/test_flashinfer.py checks on
+a GPU machine that FlashInfer would run the same compiler).
 """
 
 from __future__ import annotations
@@ -22,16 +21,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.ranks.compilers import check_compiler
+
 JIT_CACHE_MODULE = "flashinfer_jit_cache"  # the package of prebuilt kernels (flashinfer-jit-cache)
 DEFAULT_CUDA_HOME = "/usr/local/cuda"
-
-
-COMPILER_TIMEOUT_S = 30.0  # `nvcc --version` answers in well under a second
 
 
 @dataclass(frozen=True)
@@ -42,27 +39,6 @@ class KernelSource:
     nvcc: str | None  # the compiler FlashInfer would run, where it answers `--version`
     looked_for: str  # the compiler FlashInfer would run
     problem: str | None = None  # why that compiler cannot serve (None: it can)
-
-
-def check_compiler(path: str) -> str | None:
-    """None when ``path --version`` runs and exits 0; otherwise why not, in a few words. Run, not
-    just looked at: a wrapper script whose toolkit is gone is no compiler."""
-    try:
-        out = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=COMPILER_TIMEOUT_S
-        )
-    except FileNotFoundError:
-        return "not found"
-    except PermissionError:
-        return "not executable"
-    except subprocess.TimeoutExpired:
-        return f"`--version` did not answer within {COMPILER_TIMEOUT_S:g} s"
-    except OSError as exc:
-        return f"cannot run: {exc}"
-    if out.returncode != 0:
-        said = (out.stderr or out.stdout).strip().splitlines()
-        return f"`--version` exited {out.returncode}" + (f" ({said[-1]})" if said else "")
-    return None
 
 
 def installed(module: str) -> bool:

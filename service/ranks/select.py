@@ -168,9 +168,12 @@ def choose_gate_up(
     capability: tuple[int, int] | None,
     import_error: str | None,
     shape_error: str | None = None,
+    build_error: str | None = None,
 ) -> BackendChoice:
     """The MLP's gate_up GEMM + SiLU-and-mul: one Triton kernel ("triton", at the token counts
-    service.model.gate_up_tiles picks) or the projection then the activation kernel ("torch")."""
+    service.model.gate_up_tiles picks) or the projection then the activation kernel ("torch").
+    ``build_error``: why Triton could not build its launchers here (service.ranks.
+    triton_toolchain.blocker), as for the other Triton kernels: ``auto`` then keeps torch."""
     flag = "--gate-up-kernel"
     blocker = gate_up_blocker(device_type, dtype, capability, import_error, shape_error)
     untuned = None
@@ -179,7 +182,8 @@ def choose_gate_up(
             f"the fused kernel's tiles are measured on sm90 only (this device is "
             f"sm{_sm(capability)}); pass {flag} triton to try it"
         )
-    return choose(requested, flag, blocker, "triton", "auto: CUDA sm90, triton installed", untuned)
+    return choose(requested, flag, blocker, "triton", "auto: CUDA sm90, triton installed",
+                  build_error or untuned)  # fmt: skip
 
 
 def triton_kernel_blocker(device_type: str, dtype: str, import_error: str | None) -> str | None:
@@ -202,6 +206,7 @@ def choose_rope_store(
     fused_kernels: str,
     import_error: str | None,
     mla: bool = False,
+    build_error: str | None = None,
 ) -> BackendChoice:
     """Rotary on q and k and the K/V store: one Triton kernel ("triton",
     service.model.rope_store_triton) or the rotary kernel, then the indexed store ("torch").
@@ -216,7 +221,7 @@ def choose_rope_store(
     elif blocker is None and fused_kernels != "flashinfer":
         blocker = "it runs with FlashInfer's fused kernels (--fused-kernels flashinfer)"
     return choose(requested, flag, blocker, "triton", "auto: CUDA, triton installed, FlashInfer's "
-                  "fused kernels")  # fmt: skip
+                  "fused kernels", build_error)  # fmt: skip
 
 
 # the split-K slices were measured on Hopper (the probe on an H200, the graphs' A/B on an H100,
@@ -231,6 +236,7 @@ def choose_splitk_norm(
     capability: tuple[int, int] | None,
     tp_size: int,
     import_error: str | None,
+    build_error: str | None = None,
 ) -> BackendChoice:
     """o_proj and down: a batched GEMM over K-slices whose float32 partials the following
     add-RMSNorm sums in one Triton kernel ("triton", service.model.splitk_triton, at the token
@@ -250,7 +256,7 @@ def choose_splitk_norm(
             f"pass {flag} triton to try it"
         )
     return choose(requested, flag, blocker, "triton", "auto: CUDA sm90, tp 1, triton installed",
-                  untuned)  # fmt: skip
+                  build_error or untuned)  # fmt: skip
 
 
 # What the balanced schedule gained where ``auto`` takes it (docs/benchmarks.md, sessions 45, 50)

@@ -22,7 +22,7 @@ from service.model.llama import CausalLM
 from service.model.loader import build_model
 from service.model.parallel import TPGroup
 from service.rank_info import BackendChoice, RankInfo
-from service.ranks import flashinfer_toolchain
+from service.ranks import flashinfer_toolchain, triton_toolchain
 from service.ranks.attention.base import AttentionBackend
 from service.ranks.device import (
     resolve_chunked_prefill,
@@ -78,6 +78,13 @@ def warn_unsourced(choice: BackendChoice, source: KernelSource | None) -> None:
         log.warning("FlashInfer was asked for by name, but %s", problem)
 
 
+def warn_unbuildable(choice: BackendChoice, build_error: str | None) -> None:
+    """A Triton kernel asked for by name where Triton cannot build its launchers: say so before
+    the first launch, where a launcher missing from Triton's cache would fail the start-up."""
+    if choice.name == "triton" and build_error is not None:
+        log.warning("A Triton kernel was asked for by name, but %s", build_error)
+
+
 def model_dir_of(cfg: EngineConfig) -> Path:
     return Path(cfg.model_path) if cfg.model_path else builtin_model_dir()
 
@@ -112,6 +119,13 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         k != "torch" for k in (cfg.gate_up_kernel, cfg.rope_store_kernel, cfg.splitk_norm_kernel)
     )
     triton_error = triton_import_error() if wants_triton else None
+    # Triton builds each kernel's launcher with a C compiler on first use: without one, auto
+    # keeps the torch path rather than fail at the first Triton kernel
+    triton_build = (
+        triton_toolchain.blocker(triton_toolchain.find())
+        if wants_triton and triton_error is None
+        else None
+    )
     gate_up = choose_gate_up(
         cfg.gate_up_kernel,
         device.type,
@@ -120,8 +134,10 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         triton_error,
         # the dense MLP's shard (DeepSeek's shared experts, narrower, fall back per call)
         shape_blocker(arch.hidden_size, arch.intermediate_size // tp.world_size, dtype.itemsize),
+        triton_build,
     )
     log.info("gate_up kernel: %s (%s)", gate_up.name, gate_up.reason)
+    warn_unbuildable(gate_up, triton_build)
     rope_store = choose_rope_store(
         cfg.rope_store_kernel,
         device.type,
@@ -130,8 +146,10 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         kernels.name,
         triton_error,
         mla=arch.mla is not None,
+        build_error=triton_build,
     )
     log.info("rope_store kernel: %s (%s)", rope_store.name, rope_store.reason)
+    warn_unbuildable(rope_store, triton_build)
     splitk_norm = choose_splitk_norm(
         cfg.splitk_norm_kernel,
         device.type,
@@ -139,8 +157,10 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         capability,
         tp.world_size,
         triton_error,
+        triton_build,
     )
     log.info("splitk_norm kernel: %s (%s)", splitk_norm.name, splitk_norm.reason)
+    warn_unbuildable(splitk_norm, triton_build)
     model = build_model(
         model_dir,
         tp=tp,

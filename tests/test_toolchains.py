@@ -1,8 +1,10 @@
-"""Where FlashInfer's kernels come from, and what ``auto`` does where they cannot come at all.
+"""The compilers the kernels need at run time, and what ``auto`` does where one is missing.
 
 A container on a CUDA runtime image imports FlashInfer and then fails at its first kernel (no
-nvcc to build it, nothing prebuilt). These tests run the compiler lookup over real files on
-disk (executable or not) in FlashInfer's order, and the choices that follow from it.
+nvcc to build it, nothing prebuilt); a slim Python image imports triton and then fails at the
+first Triton kernel (no C compiler for its launcher). These tests run each lookup over real
+scripts on disk (working, broken, not executable) in the library's own order, and the choices
+that follow from it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ import pytest
 
 from service.errors import ConfigError
 from service.ranks import flashinfer_toolchain as tc
-from service.ranks.select import choose_attention, choose_kernels
-from service.ranks.startup import warn_unsourced
+from service.ranks import triton_toolchain as tt
+from service.ranks.select import (
+    choose_attention,
+    choose_gate_up,
+    choose_kernels,
+    choose_rope_store,
+    choose_splitk_norm,
+)
+from service.ranks.startup import warn_unbuildable, warn_unsourced
 
 
 def tool(path: Path, executable: bool = True, body: str = "echo 'Cuda compilation tools'") -> Path:
@@ -166,3 +175,90 @@ def test_mla_keeps_its_note_and_gains_the_source():
     assert got.name == "flashinfer" and "MLA" in got.reason and "/opt/cuda/bin/nvcc" in got.reason
     got = choose_attention("auto", "cuda", "bfloat16", 192, None, mla=(512, 64), source=NONE)
     assert got.name == "torch"
+
+
+# --- Triton: a C compiler (CC, else gcc, else clang) and Python.h
+
+
+def headers(tmp_path: Path, present: bool = True) -> str:
+    inc = tmp_path / "include"
+    inc.mkdir(exist_ok=True)
+    if present:
+        (inc / "Python.h").write_text("")
+    return str(inc)
+
+
+def triton_look(tmp_path: Path, env: dict[str, str], python_h: bool = True) -> tt.LauncherBuild:
+    return tt.find(env, lambda n: shutil.which(n, path=env.get("PATH", "")),
+                   include=headers(tmp_path, python_h))  # fmt: skip
+
+
+def test_triton_takes_cc_first_then_gcc_then_clang(tmp_path):
+    bins = tmp_path / "bin"
+    gcc, clang = tool(bins / "gcc"), tool(bins / "clang")
+    mine = tool(tmp_path / "mine" / "cc-wrapper")
+    got = triton_look(tmp_path, {"CC": str(mine), "PATH": str(bins)})
+    assert got.cc == str(mine) and tt.blocker(got) is None
+    assert triton_look(tmp_path, {"PATH": str(bins)}).cc == str(gcc)
+    gcc.unlink()
+    assert triton_look(tmp_path, {"PATH": str(bins)}).cc == str(clang)
+    clang.unlink()
+    got = triton_look(tmp_path, {"PATH": str(bins)})
+    assert got.cc is None and "no C compiler" in tt.blocker(got)
+    assert "build-essential" in tt.blocker(got) and "CC" in tt.blocker(got)
+
+
+def test_triton_needs_a_compiler_that_runs_and_pythons_headers(tmp_path):
+    bins = tmp_path / "bin"
+    tool(bins / "gcc", body="exit 2")
+    got = triton_look(tmp_path, {"PATH": str(bins)})
+    assert "`--version` exited 2" in got.problem and str(bins / "gcc") in got.problem
+    tool(bins / "gcc")
+    assert tt.blocker(triton_look(tmp_path, {"PATH": str(bins)})) is None
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    got = triton_look(bare, {"PATH": str(bins)}, python_h=False)
+    assert "Python.h" in got.problem and "python3-dev" in tt.blocker(got)
+
+
+def test_triton_lookup_with_its_own_defaults_reads_this_process(tmp_path, monkeypatch):
+    cc = tool(tmp_path / "bin" / "my-cc")
+    monkeypatch.setenv("CC", str(cc))
+    got = tt.find()
+    assert got.cc == str(cc) and got.python_h.endswith("Python.h")
+    # this machine runs the CPU tests, whose Triton kernels compile for real
+    # (tests/test_triton_compiles.py): its Python has its headers
+    assert got.problem is None
+
+
+CANNOT_BUILD = tt.blocker(tt.LauncherBuild(cc=None, python_h="/x/Python.h",
+                                           problem="no C compiler"))  # fmt: skip
+SM90 = (9, 0)
+
+
+def _rope_store(req: str, build_error: str | None):
+    return choose_rope_store(req, "cuda", "bfloat16", 128, "flashinfer", None,
+                             build_error=build_error)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "choose",
+    [
+        lambda req, b: choose_gate_up(req, "cuda", "bfloat16", SM90, None, None, b),
+        _rope_store,
+        lambda req, b: choose_splitk_norm(req, "cuda", "bfloat16", SM90, 1, None, b),
+    ],
+    ids=["gate_up", "rope_store", "splitk_norm"],
+)
+def test_auto_keeps_the_torch_path_where_triton_cannot_build_launchers(choose, caplog):
+    assert choose("auto", None).name == "triton"
+    got = choose("auto", CANNOT_BUILD)
+    assert got.name == "torch" and "no C compiler" in got.reason
+    # by name it is taken, and the start-up log says why it may fail
+    got = choose("triton", CANNOT_BUILD)
+    assert got.name == "triton"
+    with caplog.at_level(logging.WARNING, logger="service.ranks.startup"):
+        warn_unbuildable(got, CANNOT_BUILD)
+        warn_unbuildable(choose("auto", CANNOT_BUILD), CANNOT_BUILD)
+        warn_unbuildable(choose("triton", None), None)
+    assert caplog.text.count("asked for by name") == 1 and "no C compiler" in caplog.text
