@@ -262,3 +262,22 @@ def test_auto_keeps_the_torch_path_where_triton_cannot_build_launchers(choose, c
         warn_unbuildable(choose("auto", CANNOT_BUILD), CANNOT_BUILD)
         warn_unbuildable(choose("triton", None), None)
     assert caplog.text.count("asked for by name") == 1 and "no C compiler" in caplog.text
+
+
+def test_split_k_needs_a_torch_whose_bmm_writes_float32():
+    """The split-K partials come from ``torch.bmm(..., out_dtype=torch.float32)``; an older
+    torch has no such overload and would fail at the first capture."""
+    import torch
+
+    from service.ranks.select import float32_bmm_error
+
+    assert float32_bmm_error(torch.ops.aten.bmm.overloads(), torch.__version__) is None
+    why = float32_bmm_error(["default", "out"], "2.4.1")
+    assert why is not None and "2.4.1" in why and "upgrade torch" in why
+    got = choose_splitk_norm("auto", "cuda", "bfloat16", SM90, 1, None, None, why)
+    assert got.name == "torch" and "aten::bmm.dtype" in got.reason
+    with pytest.raises(ConfigError, match="upgrade torch"):
+        choose_splitk_norm("triton", "cuda", "bfloat16", SM90, 1, None, None, why)
+    # off CUDA the CPU partials take the float path and need no such overload
+    cpu = choose_splitk_norm("auto", "cpu", "float32", None, 1, None, None, why)
+    assert "CUDA device" in cpu.reason

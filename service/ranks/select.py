@@ -237,10 +237,13 @@ def choose_splitk_norm(
     tp_size: int,
     import_error: str | None,
     build_error: str | None = None,
+    float32_bmm: str | None = None,
 ) -> BackendChoice:
     """o_proj and down: a batched GEMM over K-slices whose float32 partials the following
     add-RMSNorm sums in one Triton kernel ("triton", service.model.splitk_triton, at the token
-    counts service.model.splitk_policy picks), or cuBLAS's projection, then the norm ("torch")."""
+    counts service.model.splitk_policy picks), or cuBLAS's projection, then the norm ("torch").
+    ``float32_bmm``: why this torch cannot write the partials in float32 from a bf16/fp16
+    product (:func:`float32_bmm_error`), or None."""
     flag = "--splitk-norm-kernel"
     if device_type == "cuda" and tp_size != 1:
         blocker: str | None = (
@@ -249,6 +252,8 @@ def choose_splitk_norm(
         )
     else:
         blocker = triton_kernel_blocker(device_type, dtype, import_error)
+        if blocker is None and device_type == "cuda":
+            blocker = float32_bmm
     untuned = None
     if capability is not None and capability[0] != SPLITK_AUTO_ARCH:
         untuned = (
@@ -336,6 +341,15 @@ def choose_prefill_schedule(
             f"dealing kernel after every plan (ask for the balanced one with {flag} balanced)",
         )
     return BackendChoice("own", f"auto: {blocker}")
+
+
+def float32_bmm_error(overloads: list[str], version: str) -> str | None:
+    """Why the split-K partials cannot come from one cuBLAS call here (service.model.splitk:
+    ``torch.bmm(..., out_dtype=torch.float32)``, the ``aten::bmm.dtype`` overload, missing from
+    older torch), given ``torch.ops.aten.bmm.overloads()``; None when they can."""
+    if "dtype" in overloads:
+        return None
+    return f"torch {version} has no float32-output bmm (aten::bmm.dtype); upgrade torch"
 
 
 def triton_import_error() -> str | None:

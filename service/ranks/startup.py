@@ -47,6 +47,7 @@ from service.ranks.select import (
     choose_rope_store,
     choose_splitk_norm,
     flashinfer_import_error,
+    float32_bmm_error,
     triton_import_error,
 )
 
@@ -158,6 +159,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         tp.world_size,
         triton_error,
         triton_build,
+        float32_bmm_error(torch.ops.aten.bmm.overloads(), torch.__version__),
     )
     log.info("splitk_norm kernel: %s (%s)", splitk_norm.name, splitk_norm.reason)
     warn_unbuildable(splitk_norm, triton_build)
