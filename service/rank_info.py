@@ -55,7 +55,7 @@ class RankInfo:
 
 
 # the start-up choices every rank must share: (RankInfo field, what it is, the flag that fixes it)
-_SHARED_CHOICES = (
+SHARED_CHOICES = (
     ("attention", "attention backends", "--attention-backend"),
     ("kernels", "fused kernels", "--fused-kernels"),
     ("gate_up", "gate_up kernels", "--gate-up-kernel"),
@@ -72,7 +72,7 @@ def agree_rank_infos(infos: list[RankInfo]) -> RankInfo:
         raise ConfigError("no rank reported its start-up values")
     first = infos[0]
     # ranks of one model must run the same kernels (the same numerics on every shard)
-    for attr, what, flag in _SHARED_CHOICES:
+    for attr, what, flag in SHARED_CHOICES:
         if len({getattr(i, attr).name for i in infos}) > 1:
             raise ConfigError(
                 f"ranks chose different {what}: "

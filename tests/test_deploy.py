@@ -338,3 +338,49 @@ def test_every_metric_used_is_exported(tmp_path):
     }
     missing = sorted(used - exported)
     assert not missing, f"rules/dashboard use metrics the service does not export: {missing}"
+    # the start-up choices, one series each (this CPU server: torch attention, no alert: cpu)
+    assert 'capture_service_kernel_info{device="cpu",kernel="attention",name="torch"} 1.0' in text
+
+
+@needs_promtool
+def test_the_fallback_kernel_alert_fires_for_gpu_pods_on_torch_kernels_only(tmp_path):
+    """promtool's rule unit test over series as the service exports them: a GPU pod on torch
+    attention fires after 5 minutes; a GPU pod on FlashInfer (whatever its other kernels), and
+    a CPU pod, do not."""
+    rule = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    (alert,) = [r for g in rule["spec"]["groups"] for r in g["rules"]
+                if r.get("alert") == "CaptureServiceFallbackKernels"]  # fmt: skip
+
+    def series(pod: str, kernel: str, name: str, device: str) -> dict:
+        labels = f'kernel="{kernel}",name="{name}",device="{device}",namespace="ns",pod="{pod}"'
+        return {"series": f"capture_service_kernel_info{{{labels}}}", "values": "1x15"}
+
+    fired = {
+        k: v.replace("{{ $labels.pod }}", "gpu-torch") for k, v in alert["annotations"].items()
+    }
+    tests = {
+        "rule_files": ["rules.yml"],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                series("gpu-torch", "attention", "torch", "cuda"),
+                series("gpu-torch", "kernels", "torch", "cuda"),
+                series("gpu-fi", "attention", "flashinfer", "cuda"),
+                series("gpu-fi", "gate_up", "torch", "cuda"),  # a kernel with no FlashInfer twin
+                series("cpu", "attention", "torch", "cpu"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "CaptureServiceFallbackKernels", "exp_alerts": []},
+                {"eval_time": "10m", "alertname": "CaptureServiceFallbackKernels", "exp_alerts": [
+                    {"exp_labels": {"severity": "warning", "namespace": "ns", "pod": "gpu-torch"},
+                     "exp_annotations": fired},
+                ]},
+            ],
+        }],
+    }  # fmt: skip
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests))
+    out = subprocess.run(["promtool", "test", "rules", "tests.yml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from service.buckets import MISS_REASONS
 from service.commands import DecodeRecord, GraphRecord
 from service.decode_sizes import DECODE_MISS_REASONS
+from service.rank_info import SHARED_CHOICES
 from service.resolved import ResolvedConfig
 from service.scheduling.request import FINISH_TYPES
 
@@ -104,6 +105,12 @@ class Metrics:
             f"{PREFIX}_decode_capture_bytes", "Device memory a decode size's capture added",
             ["size", "rank"], registry=r,
         )  # fmt: skip
+        # 1 per start-up choice (attention, kernels, gate_up, ...): an alert can catch a GPU pod
+        # that serves on the torch fallback (e.g. an image without nvcc for FlashInfer)
+        self.kernel_info = Gauge(
+            f"{PREFIX}_kernel_info", "Kernels chosen at start-up (1), by kernel, name and device",
+            ["kernel", "name", "device"], registry=r,
+        )  # fmt: skip
         self.engine_healthy = Gauge(
             f"{PREFIX}_engine_healthy", "1 while the engine serves, 0 while failed or rebuilding",
             registry=r,
@@ -127,6 +134,9 @@ class Metrics:
         self.agreed_buckets.set(len(resolved.plan.buckets))
         self.graphs_enabled.set(1 if resolved.plan.enabled else 0)
         self.decode_sizes.set(len(resolved.decode.sizes))
+        device = resolved.limits.device.split(":")[0]  # "cuda:0" -> "cuda"
+        for attr, _, _ in SHARED_CHOICES:
+            self.kernel_info.labels(attr, getattr(resolved.limits, attr).name, device).set(1)
         for captures, seconds, memory in (
             (resolved.captures, self.capture_seconds, self.capture_bytes),
             (resolved.decode_captures, self.decode_capture_seconds, self.decode_capture_bytes),
