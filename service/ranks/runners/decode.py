@@ -32,18 +32,17 @@ from service.ranks.runners.padded_rows import PaddedRows
 class DecodeStaticBuffers:
     """The inputs every decode graph reads, sized once for the largest size."""
 
-    input_ids: torch.Tensor  # (Smax,) row 0 of ``rows``
+    input_ids: torch.Tensor  # (Smax,) row 0 of ``padding.rows``
     positions: torch.Tensor  # (Smax,) row 1 = prefix_lens: the new token's position
     out_cache_loc: torch.Tensor  # (Smax,) row 2
     req_pool_indices: torch.Tensor  # (Smax,) row 3
     extend_lens: torch.Tensor  # (Smax,) ones
     extend_start_loc: torch.Tensor  # (Smax,) 0 .. Smax-1
-    # the four rows above as one tensor: a built decode batch's ids, positions, KV slots and
+    # the four rows above as one (4, Smax) tensor, kept holding the pad (token id, position,
+    # KV slot, row) past each live batch: a built decode batch's ids, positions, KV slots and
     # request rows are the first 4B entries of its packed tensor, in that order, so one copy
     # takes them in (four copies and four fills before every replay cost the host ~19 us on
     # the dev CPU: benchmarks/host_costs.py load)
-    rows: torch.Tensor  # (4, Smax) int64: ``padding.rows``
-    # the slots past each live batch, kept holding the pad (token id, position, KV slot, row)
     padding: PaddedRows = field(compare=False, repr=False)
     # size -> the view's seven slices, made once: slicing costs host time before every replay
     _slices: dict[int, tuple[torch.Tensor, ...]] = field(
@@ -57,12 +56,11 @@ class DecodeStaticBuffers:
             dtype=torch.int64, device=device,
         )  # fmt: skip
         padding = PaddedRows(pad, max_size)
-        rows = padding.rows
         return DecodeStaticBuffers(
-            *rows.unbind(0),
+            *padding.rows.unbind(0),
             extend_lens=torch.ones(max_size, dtype=torch.int64, device=device),
             extend_start_loc=torch.arange(max_size, dtype=torch.int64, device=device),
-            rows=rows, padding=padding,
+            padding=padding,
         )  # fmt: skip
 
     def view(self, layout: BatchLayout, size: int) -> ForwardBatch:
@@ -88,8 +86,7 @@ class DecodeStaticBuffers:
                 "a replayed decode batch must be one built by ForwardBatch.build (packed), one "
                 "token per request"
             )
-        self.rows[:, :b].copy_(packed[: 4 * b].view(4, b))  # ids, positions, slots, rows
-        self.padding.pad_after(b, size)
+        self.padding.write(packed[: 4 * b].view(4, b), size)  # ids, positions, slots, rows
         return self.view(batch.layout, size)
 
     def load_synthetic(self, size: int) -> ForwardBatch:

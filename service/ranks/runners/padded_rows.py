@@ -22,6 +22,13 @@ class PaddedRows:
         self.rows = pad.expand(-1, width).contiguous()
         self.pad_from = 0  # every column from here on holds the pad
 
+    def write(self, live: torch.Tensor, width: int) -> None:
+        """Columns ``:B`` written with ``live`` (R, B) in one copy, then columns ``B:width``
+        padded where they need it."""
+        b = live.shape[1]
+        self.rows[:, :b].copy_(live)
+        self.pad_after(b, width)
+
     def pad_after(self, live: int, width: int) -> None:
         """Columns ``live:width`` padded, columns ``:live`` just written with a live batch."""
         start, end, self.pad_from = rows_to_pad(live, width, self.pad_from)

@@ -23,18 +23,19 @@ from service.ranks.runners.padded_rows import PaddedRows
 
 @dataclass(frozen=True)
 class PrefillStaticBuffers:
-    input_ids: torch.Tensor  # (Tmax,) row 0 of ``tokens``
+    input_ids: torch.Tensor  # (Tmax,) row 0 of ``tokens`` (``padding.rows``)
     positions: torch.Tensor  # (Tmax,) row 1
     out_cache_loc: torch.Tensor  # (Tmax,) row 2
     req_pool_indices: torch.Tensor  # (Cmax,) row 0 of ``requests``
     prefix_lens: torch.Tensor  # (Cmax,) row 1
     extend_lens: torch.Tensor  # (Cmax,) row 2
     extend_start_loc: torch.Tensor  # (Cmax,) row 3
-    # the rows above as one tensor each: a packed batch is copied in with one copy per tensor
-    # and padded with one more, not a copy and a fill per field (host time before each replay)
-    tokens: torch.Tensor  # (3, Tmax) int64: ``padding.rows``
+    # the rows above as one tensor each (``tokens``, ``requests``): a packed batch is copied in
+    # with one copy per tensor and padded with one more, not a copy and a fill per field (host
+    # time before each replay)
     requests: torch.Tensor  # (4, Cmax) int64
-    # the token rows past each live batch, kept holding the pad token (id, position, KV slot)
+    # the token rows (3, Tmax), kept holding the pad token (id, position, KV slot) past each
+    # live batch
     padding: PaddedRows = field(compare=False, repr=False)
     # bucket -> its (input_ids, positions, out_cache_loc) slices, made once: slicing costs host
     # time before every replay
@@ -47,12 +48,15 @@ class PrefillStaticBuffers:
         pad = torch.tensor([[PADDING_TOKEN_ID], [PADDING_POSITION], [PADDING_SLOT]],
                            dtype=torch.int64, device=device)  # fmt: skip
         padding = PaddedRows(pad, max_tokens)
-        tokens = padding.rows
         requests = torch.zeros(4, max_requests, dtype=torch.int64, device=device)
         return PrefillStaticBuffers(
-            *tokens.unbind(0), *requests.unbind(0), tokens=tokens, requests=requests,
-            padding=padding,
-        )  # fmt: skip
+            *padding.rows.unbind(0), *requests.unbind(0), requests=requests, padding=padding
+        )
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """(3, Tmax) int64: input_ids, positions and out_cache_loc as rows of one tensor."""
+        return self.padding.rows
 
     @property
     def max_tokens(self) -> int:
@@ -116,8 +120,7 @@ class PrefillStaticBuffers:
         if packed is None or packed.numel() != 3 * n + 4 * b:
             raise ValueError("a replayed batch must be one built by ForwardBatch.build (packed)")
         # the batch's seven tensors are rows of (3, n) and (4, b) slices of one tensor
-        self.tokens[:, :n].copy_(packed[: 3 * n].view(3, n))
-        self.padding.pad_after(n, bucket)
+        self.padding.write(packed[: 3 * n].view(3, n), bucket)
         return packed
 
     def load_synthetic(
