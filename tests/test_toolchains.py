@@ -26,7 +26,7 @@ from service.ranks.select import (
     choose_rope_store,
     choose_splitk_norm,
 )
-from service.ranks.startup import warn_unbuildable, warn_unsourced
+from service.ranks.startup import warn_by_name
 
 
 def tool(path: Path, executable: bool = True, body: str = "echo 'Cuda compilation tools'") -> Path:
@@ -158,12 +158,14 @@ def test_by_name_flashinfer_is_taken_without_a_compiler_and_warned_about(choose,
     got = choose("flashinfer", "cuda", "bfloat16", 128, None, source=NONE)
     assert got.name == "flashinfer" and "only from FlashInfer's cache" in got.reason
     with caplog.at_level(logging.WARNING, logger="service.ranks.startup"):
-        warn_unsourced(got, NONE)
+        warn_by_name(got, tc.blocker(NONE))
     assert "asked for by name" in caplog.text and "flashinfer-jit-cache" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="service.ranks.startup"):
-        warn_unsourced(choose("flashinfer", "cuda", "bfloat16", 128, None, source=NVCC), NVCC)
-        warn_unsourced(choose("auto", "cuda", "bfloat16", 128, None, source=NONE), NONE)
+        warn_by_name(
+            choose("flashinfer", "cuda", "bfloat16", 128, None, source=NVCC), tc.blocker(NVCC)
+        )
+        warn_by_name(choose("auto", "cuda", "bfloat16", 128, None, source=NONE), tc.blocker(NONE))
     assert caplog.text == ""  # a compiler, or torch chosen: nothing to warn about
     # what cannot run at all is still refused by name
     with pytest.raises(ConfigError, match="head dim"):
@@ -258,9 +260,9 @@ def test_auto_keeps_the_torch_path_where_triton_cannot_build_launchers(choose, c
     got = choose("triton", CANNOT_BUILD)
     assert got.name == "triton"
     with caplog.at_level(logging.WARNING, logger="service.ranks.startup"):
-        warn_unbuildable(got, CANNOT_BUILD)
-        warn_unbuildable(choose("auto", CANNOT_BUILD), CANNOT_BUILD)
-        warn_unbuildable(choose("triton", None), None)
+        warn_by_name(got, CANNOT_BUILD)
+        warn_by_name(choose("auto", CANNOT_BUILD), CANNOT_BUILD)
+        warn_by_name(choose("triton", None), None)
     assert caplog.text.count("asked for by name") == 1 and "no C compiler" in caplog.text
 
 

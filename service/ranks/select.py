@@ -89,8 +89,7 @@ def choose_attention(
     """``source``: where FlashInfer's kernels would come from (service.ranks.
     flashinfer_toolchain.find; None where FlashInfer is not a candidate)."""
     blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error, mla)
-    choice = sourced(choose(requested, "--attention-backend", blocker,
-                            auto_blocker=source_blocker(source)), source)  # fmt: skip
+    choice = _choose_flashinfer(requested, "--attention-backend", blocker, source)
     if mla is not None and choice.name == "flashinfer":
         return BackendChoice(
             "flashinfer",
@@ -110,20 +109,20 @@ def choose_kernels(
 ) -> BackendChoice:
     """The fused RMSNorm / rotary / SiLU-and-mul kernels (service.model.kernels)."""
     blocker = flashinfer_blocker(device_type, dtype, head_dim, import_error)
-    return sourced(
-        choose(requested, "--fused-kernels", blocker, auto_blocker=source_blocker(source)), source
-    )
+    return _choose_flashinfer(requested, "--fused-kernels", blocker, source)
 
 
-def source_blocker(source: KernelSource | None) -> str | None:
-    """Why ``auto`` should not take FlashInfer although it imports: it could not get its kernels
-    (no compiler, nothing prebuilt). By name it is still taken: a warmed JIT cache needs neither."""
-    return None if source is None else flashinfer_toolchain.blocker(source)
-
-
-def sourced(choice: BackendChoice, source: KernelSource | None) -> BackendChoice:
-    """A FlashInfer choice's reason with where its kernels come from (logged, /server_info)."""
-    if choice.name != "flashinfer" or source is None:
+def _choose_flashinfer(
+    requested: str, flag: str, blocker: str | None, source: KernelSource | None
+) -> BackendChoice:
+    """:func:`choose` for a FlashInfer flag, given where its kernels would come from: ``auto``
+    does not take FlashInfer where it could not get its kernels (no compiler, nothing
+    prebuilt), though by name it is still taken (a warmed JIT cache needs neither); a FlashInfer
+    choice's reason says where its kernels come from (logged, /server_info)."""
+    if source is None:
+        return choose(requested, flag, blocker)
+    choice = choose(requested, flag, blocker, auto_blocker=flashinfer_toolchain.blocker(source))
+    if choice.name != "flashinfer":
         return choice
     return BackendChoice(choice.name, f"{choice.reason}; {flashinfer_toolchain.describe(source)}")
 

@@ -31,7 +31,6 @@ from service.ranks.device import (
     resolve_dtype,
     resolve_kv_budget,
 )
-from service.ranks.flashinfer_toolchain import KernelSource
 from service.ranks.kv_pool import (
     KVLayout,
     ReqToTokenPool,
@@ -71,19 +70,13 @@ class RankSetup:
     info: RankInfo
 
 
-def warn_unsourced(choice: BackendChoice, source: KernelSource | None) -> None:
-    """A FlashInfer choice asked for by name where its kernels can only come from a warmed cache:
-    say so before the first kernel, where a missing one would fail the start-up."""
-    problem = None if source is None else flashinfer_toolchain.blocker(source)
-    if choice.name == "flashinfer" and problem is not None:
-        log.warning("FlashInfer was asked for by name, but %s", problem)
-
-
-def warn_unbuildable(choice: BackendChoice, build_error: str | None) -> None:
-    """A Triton kernel asked for by name where Triton cannot build its launchers: say so before
-    the first launch, where a launcher missing from Triton's cache would fail the start-up."""
-    if choice.name == "triton" and build_error is not None:
-        log.warning("A Triton kernel was asked for by name, but %s", build_error)
+def warn_by_name(choice: BackendChoice, missing: str | None) -> None:
+    """A kernel taken by name (FlashInfer's, or a Triton one) although what it needs at run time
+    is missing (``missing``: its toolchain's blocker, which would have kept ``auto`` on torch):
+    say so before its first launch, where a kernel its library's cache lacks fails the start-up.
+    """
+    if choice.name != "torch" and missing is not None:
+        log.warning("%s was asked for by name, but %s", choice.name, missing)
 
 
 def model_dir_of(cfg: EngineConfig) -> Path:
@@ -107,13 +100,14 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
     # where its kernels would come from: prebuilt, or nvcc on first use (neither: auto serves
     # on torch rather than fail at the first kernel)
     fi_source = flashinfer_toolchain.find() if wants_flashinfer and fi_error is None else None
+    fi_missing = None if fi_source is None else flashinfer_toolchain.blocker(fi_source)
     # DeepSeek's rotary is its own (interleaved pairs); the fused norm and SiLU kernels serve it
     kernel_dim = arch.head_dim if arch.mla is None else arch.mla.qk_rope_head_dim
     kernels = choose_kernels(
         cfg.fused_kernels, device.type, dtype_name, kernel_dim, fi_error, fi_source
     )
     log.info("Fused kernels: %s (%s)", kernels.name, kernels.reason)
-    warn_unsourced(kernels, fi_source)
+    warn_by_name(kernels, fi_missing)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     # one import attempt for the Triton kernels' choices (a choice of "torch" never reads it)
     wants_triton = device.type == "cuda" and any(
@@ -138,7 +132,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         triton_build,
     )
     log.info("gate_up kernel: %s (%s)", gate_up.name, gate_up.reason)
-    warn_unbuildable(gate_up, triton_build)
+    warn_by_name(gate_up, triton_build)
     rope_store = choose_rope_store(
         cfg.rope_store_kernel,
         device.type,
@@ -150,7 +144,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         build_error=triton_build,
     )
     log.info("rope_store kernel: %s (%s)", rope_store.name, rope_store.reason)
-    warn_unbuildable(rope_store, triton_build)
+    warn_by_name(rope_store, triton_build)
     splitk_norm = choose_splitk_norm(
         cfg.splitk_norm_kernel,
         device.type,
@@ -162,7 +156,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         float32_bmm_error(torch.ops.aten.bmm.overloads(), torch.__version__),
     )
     log.info("splitk_norm kernel: %s (%s)", splitk_norm.name, splitk_norm.reason)
-    warn_unbuildable(splitk_norm, triton_build)
+    warn_by_name(splitk_norm, triton_build)
     model = build_model(
         model_dir,
         tp=tp,
@@ -199,7 +193,7 @@ def set_up_rank(cfg: EngineConfig, tp: TPGroup | None = None, local_gpu: int = 0
         source=fi_source,
     )  # fmt: skip
     log.info("Attention backend: %s (%s)", choice.name, choice.reason)
-    warn_unsourced(choice, fi_source)
+    warn_by_name(choice, fi_missing)
     if arch.mla is not None and cfg.graph.backend == "full":
         log.warning(
             "Prefill backend full with MLA: its graph-safe attention is the torch slot "
